@@ -1,0 +1,50 @@
+"""fleetjax: PaddlePaddle Fleet's distributed training strategies on JAX/XLA.
+
+from fleetjax import fleet
+import fleetjax
+
+strategy = fleetjax.DistributedStrategy()
+fleet.init(is_collective=True, strategy=strategy)
+optimizer = fleet.distributed_optimizer(optax.adam(1e-3))
+step = fleetjax.make_train_step(loss_fn, optimizer)
+state = step.init(params)
+state, metrics = step(state, batch)
+"""
+
+from fleetjax import fleet, mesh, optimizers, transforms
+from fleetjax._config import UnknownFieldError
+from fleetjax._prototxt import PrototxtError
+from fleetjax._support import StrategyWarning
+from fleetjax.mesh import build_mesh
+from fleetjax.optimizers import DistributedOptimizer, distributed_optimizer
+from fleetjax.step import TrainState, TrainStep, make_train_step
+from fleetjax.strategy import (
+    BuildStrategy,
+    DistributedStrategy,
+    ExecutionStrategy,
+    Strategy,
+    seed_default_differences,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BuildStrategy",
+    "DistributedOptimizer",
+    "DistributedStrategy",
+    "ExecutionStrategy",
+    "PrototxtError",
+    "Strategy",
+    "StrategyWarning",
+    "TrainState",
+    "TrainStep",
+    "UnknownFieldError",
+    "build_mesh",
+    "distributed_optimizer",
+    "fleet",
+    "make_train_step",
+    "mesh",
+    "optimizers",
+    "seed_default_differences",
+    "transforms",
+]

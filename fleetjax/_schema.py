@@ -1,0 +1,656 @@
+"""The fields of Paddle's strategies: names, types, defaults, proto numbers and value checks.
+
+`DISTRIBUTED_STRATEGY` mirrors `message DistributedStrategy` of Paddle's
+`distributed_strategy.proto` (3.3.1, plus the 2.x fields it dropped), so that Paddle prototxt
+files load and ours load in Paddle. Parameter-server table messages (`downpour_table_param`)
+are left out. Defaults are Paddle's, except where the seed documents say otherwise; those fields
+carry `paddle_default` and are listed by `seed_default_differences()`.
+
+`AUTO_STRATEGY` mirrors the sections of the newer `paddle.distributed.Strategy`.
+"""
+
+from __future__ import annotations
+
+from fleetjax._config import (
+    Check,
+    Enum,
+    MessageSpec,
+    at_least,
+    between,
+    field,
+    greater_than,
+    message,
+    one_of,
+)
+
+# Paddle spellings of pipeline schedules (static fleet, auto-parallel and dygraph registries).
+SCHEDULE_MODES = ("1F1B", "F-then-B", "FThenB", "VPP", "Eager1F1B", "ZBH1", "ZBVPP")
+
+# Axes Paddle's hybrid topology knows; fleetjax's mesh has dp, pp, sharding and mp.
+HYBRID_AXES = ("dp", "pp", "sharding", "sep", "cp", "mp")
+DEFAULT_ORDER = ["dp", "pp", "sharding", "sep", "cp", "mp"]
+
+_PS = "parameter-server mode only; fleetjax trains in collective mode"
+_STATIC = "a Paddle static-graph executor setting; XLA compiles and schedules the whole step"
+
+_positive = at_least(1)
+_non_negative = at_least(0)
+_sparsity = Check(lambda v: 0 <= v < 1, "in [0, 1)")
+_dp_degree = Check(lambda v: v == -1 or v >= 1, "-1 (inferred from the device count) or >= 1")
+
+
+NCCL_CONFIG = message(
+    "NCCLConfig",
+    "nccl_config",
+    [
+        field(1, "commName", str, ""),
+        field(2, "ll_buffsize", int, 0),
+        field(3, "ll128_buffsize", int, 0),
+        field(4, "simple_buffsize", int, 0),
+        field(5, "buffsize_align", int, 0),
+        field(6, "nchannels", int, 0),
+        field(7, "algoStr", str, ""),
+        field(8, "protoStr", str, ""),
+    ],
+)
+_NCCL_NOTE = "NCCL communicator tuning; XLA creates its own NCCL communicators"
+
+
+def _comm_group(name: str, label: str, *extra: str) -> MessageSpec:
+    """A hybrid sub-group message that only carries NCCL communicator configs."""
+    names = ("nccl_config", *extra)
+    return message(
+        name,
+        label,
+        [field(i + 1, n, NCCL_CONFIG, note=_NCCL_NOTE) for i, n in enumerate(names)],
+    )
+
+
+REFINED_OPS_PATTERN = message(
+    "RefinedOpsPattern",
+    "refined_ops_patterns",
+    [
+        field(1, "main_ops", str, []),
+        field(2, "num", int, 0),
+        field(3, "pre_ops", str, []),
+        field(4, "suf_ops", str, []),
+    ],
+)
+
+RECOMPUTE_CONFIG = message(
+    "RecomputeConfig",
+    "recompute_configs",
+    [
+        field(1, "checkpoints", str, []),
+        field(2, "enable_offload", bool, False),
+        field(3, "checkpoint_shape", int, [], check=_positive),
+        field(4, "enable_tuning", bool, False),
+        field(5, "refined_ops_patterns", REFINED_OPS_PATTERN, []),
+    ],
+)
+
+AMP_CONFIG = message(
+    "AMPConfig",
+    "amp_configs",
+    [
+        field(1, "init_loss_scaling", float, 32768.0, check=greater_than(0)),
+        field(2, "incr_every_n_steps", int, 1000, check=_positive),
+        field(3, "decr_every_n_nan_or_inf", int, 2, check=_positive),
+        field(4, "incr_ratio", float, 2.0, check=greater_than(1)),
+        field(5, "decr_ratio", float, 0.5, check=between(0, 1), paddle_default=0.8),
+        field(6, "use_dynamic_loss_scaling", bool, True),
+        field(7, "custom_white_list", str, []),
+        field(8, "custom_black_list", str, []),
+        field(9, "custom_black_varnames", str, []),
+        field(10, "use_pure_fp16", bool, False),
+        field(11, "use_fp16_guard", bool, True),
+        field(12, "use_optimizer_fp16", bool, False),
+        field(13, "use_pure_bf16", bool, False),
+    ],
+    hints={"use_bf16": "the bf16 switch is 'use_pure_bf16'"},
+)
+
+LOCALSGD_CONFIG = message(
+    "LocalSGDConfig",
+    "localsgd_configs",
+    [
+        field(1, "k_steps", int, 1, check=_positive),
+        field(2, "begin_step", int, 1, check=_non_negative),
+    ],
+)
+
+GRADIENT_MERGE_CONFIG = message(
+    "GradientMergeConfig",
+    "gradient_merge_configs",
+    [field(1, "k_steps", int, 1, check=_positive), field(2, "avg", bool, True)],
+)
+
+DGC_CONFIG = message(
+    "DGCConfig",
+    "dgc_configs",
+    [
+        field(1, "rampup_begin_step", int, 0, check=_non_negative),
+        field(2, "rampup_step", int, 1, check=_positive),
+        field(3, "sparsity", float, [0.999], check=_sparsity, paddle_default=[]),
+    ],
+)
+
+PIPELINE_CONFIG = message(
+    "PipelineConfig",
+    "pipeline_configs",
+    [
+        field(1, "micro_batch_size", int, 1, check=_positive),
+        field(2, "accumulate_steps", int, 1, check=_positive),
+        field(3, "schedule_mode", str, "1F1B", check=one_of(*SCHEDULE_MODES)),
+        field(4, "p2p_cache_shape", bool, True, note="shapes are static under XLA"),
+        field(
+            5,
+            "enable_partial_send_recv",
+            bool,
+            True,
+            note="XLA decides how activations are sent between stages",
+        ),
+    ],
+    hints={
+        "micro_batch": "Paddle 2.0's 'micro_batch' (the number of micro-batches) is "
+        "'accumulate_steps' since Paddle 2.1; 'micro_batch_size' is the size of one"
+    },
+)
+
+ASYNC_CONFIG = message(
+    "AsyncConfig",
+    "a_sync_configs",
+    [
+        field(1, "k_steps", int, -1, note=_PS),
+        field(2, "max_merge_var_num", int, 1, note=_PS),
+        field(3, "send_queue_size", int, 16, note=_PS),
+        field(4, "independent_recv_thread", bool, False, note=_PS),
+        field(5, "min_send_grad_num_before_recv", int, 1, note=_PS),
+        field(6, "thread_pool_size", int, 1, note=_PS),
+        field(7, "send_wait_times", int, 1, note=_PS),
+        field(8, "runtime_split_send_recv", bool, False, note=_PS),
+        field(9, "launch_barrier", bool, True, note=_PS),
+        field(10, "heter_worker_device_guard", str, "cpu", note=_PS),
+        field(11, "lr_decay_steps", int, 10, note=_PS),
+        field(12, "use_ps_gpu", int, 0, note=_PS),
+        field(13, "use_gpu_graph", int, 0, note=_PS),
+    ],
+)
+
+LARS_CONFIG = message(
+    "LarsConfig",
+    "lars_configs",
+    [
+        field(1, "lars_coeff", float, 0.001, check=_non_negative),
+        field(2, "lars_weight_decay", float, 0.0005, check=_non_negative),
+        field(3, "epsilon", float, 0.0, check=_non_negative),
+        field(4, "exclude_from_weight_decay", str, []),
+    ],
+)
+
+LAMB_CONFIG = message(
+    "LambConfig",
+    "lamb_configs",
+    [
+        field(1, "lamb_weight_decay", float, 0.01, check=_non_negative),
+        field(2, "exclude_from_weight_decay", str, []),
+    ],
+)
+
+ADAPTIVE_LOCALSGD_CONFIG = message(
+    "AdaptiveLocalSGDConfig",
+    "adaptive_localsgd_configs",
+    [
+        field(1, "init_k_steps", int, 1, check=_positive),
+        field(2, "begin_step", int, 1, check=_non_negative),
+    ],
+)
+
+SHARDING_CONFIG = message(
+    "ShardingConfig",
+    "sharding_configs",
+    [
+        field(
+            1,
+            "sharding_segment_strategy",
+            str,
+            "segment_broadcast_MB",
+            check=one_of("segment_broadcast_MB", "segment_anchors"),
+        ),
+        field(2, "segment_broadcast_MB", float, 32.0, check=greater_than(0)),
+        field(3, "segment_anchors", str, []),
+        field(4, "sharding_degree", int, 8, check=_positive),
+        field(5, "mp_degree", int, 1, check=_positive),
+        field(6, "dp_degree", int, 1, check=_positive),
+        field(7, "hybrid_dp", bool, False, note="deprecated in Paddle: dp_degree >= 2 implies it"),
+        field(8, "gradient_merge_acc_step", int, 1, check=_positive),
+        field(9, "optimize_offload", bool, False),
+        field(10, "pp_allreduce_in_optimize", bool, False),
+        field(11, "pp_degree", int, 1, check=_positive),
+        field(12, "optimize_cast", bool, False),
+        field(13, "_dp_as_optimizer_sharding", bool, False, note=_STATIC),
+        field(14, "stage", int, 1, check=one_of(1, 2, 3)),
+        field(15, "enable_tuning", bool, False, note=_STATIC),
+        field(16, "use_calc_stream", bool, False, note=_STATIC),
+    ],
+)
+
+MP_CONFIG = message(
+    "MpConfig",
+    "mp_configs",
+    [
+        field(1, "sync_param", bool, True),
+        field(2, "sync_grad", bool, False),
+        field(3, "sync_moment", bool, False),
+        field(4, "sync_mode", str, "broadcast", check=one_of("broadcast", "average")),
+        field(5, "mp_async_allreduce", bool, False),
+        field(6, "mp_skip_c_identity", bool, False),
+        field(7, "mp_fused_linear_param_grad_add", bool, False),
+        field(8, "need_broadcast_data", bool, True),
+        field(9, "recompute_allgather", bool, False),
+        field(10, "sp_async_reduce_scatter", bool, False),
+        field(11, "nccl_config", NCCL_CONFIG, note=_NCCL_NOTE),
+        # Python-only in Paddle (DistributedStrategy.sync_param_name).
+        field(1001, "sync_param_name", str, ["embedding", "layer_norm", ".b_"], paddle=False),
+    ],
+)
+
+PP_CONFIG = message(
+    "PpConfig",
+    "pp_configs",
+    [
+        field(1, "dp_comm_overlap", bool, False),
+        field(2, "delay_scale_loss", bool, False),
+        field(3, "enable_timer", bool, False),
+        field(4, "sharding_comm_overlap", bool, False),
+        field(5, "profiling", bool, False),
+        field(6, "release_gradients", bool, False),
+        field(7, "overlap_p2p_comm", bool, False),
+        field(8, "clear_every_step_cache", bool, False),
+        field(9, "use_batch_p2p_comm", bool, True),
+        field(10, "best_unbalanced_scheduler", bool, False),
+        field(11, "enable_offload_queue", bool, False),
+        field(12, "enable_dynamic_shape", bool, False),
+        field(13, "use_dualpipev", bool, False),
+        field(14, "forward_backward_overlap_scheduler", bool, False),
+        field(15, "coll_nccl_config", NCCL_CONFIG, note=_NCCL_NOTE),
+        field(16, "p2p_nccl_config", NCCL_CONFIG, note=_NCCL_NOTE),
+        field(17, "shared_nccl_config", NCCL_CONFIG, note=_NCCL_NOTE),
+        field(18, "sync_param", bool, False),
+        field(19, "sync_moment", bool, False),
+        field(20, "sync_mode", str, "broadcast", check=one_of("broadcast", "average")),
+    ],
+)
+
+DYGRAPH_SHARDING_CONFIG = message(
+    "DygraphShardingConfig",
+    "hybrid_configs.sharding_configs",
+    [
+        field(1, "tensor_fusion", bool, False),
+        field(2, "accumulate_steps", int, 1, check=_positive),
+        field(3, "comm_overlap", bool, False),
+        field(4, "split_param", bool, False),
+        field(5, "fuse_optimizer", bool, True),
+        field(6, "use_reduce_avg", bool, True),
+        field(7, "comm_buffer_size_MB", int, 256, check=_positive),
+        field(8, "release_gradients", bool, False),
+        field(9, "free_grads_in_comm", bool, False),
+        field(10, "enable_fuse_optimizer_states", bool, False),
+        field(11, "nccl_config", NCCL_CONFIG, note=_NCCL_NOTE),
+        field(12, "check_nccl_config", NCCL_CONFIG, note=_NCCL_NOTE),
+        field(13, "offload_opt_buffer_size", int, -1),
+    ],
+)
+
+
+HYBRID_CONFIG = message(
+    "HybridConfig",
+    "hybrid_configs",
+    [
+        field(1, "dp_degree", int, -1, check=_dp_degree),
+        field(2, "mp_degree", int, 1, check=_positive),
+        field(3, "pp_degree", int, 1, check=_positive),
+        field(4, "sharding_degree", int, 1, check=_positive),
+        field(5, "sep_degree", int, 1, check=_positive),
+        field(6, "mp_configs", MP_CONFIG),
+        field(7, "pp_configs", PP_CONFIG),
+        field(8, "sharding_configs", DYGRAPH_SHARDING_CONFIG),
+        field(9, "enable_optimizer_timer", bool, False),
+        field(10, "split_norm_comm", bool, False),
+        field(11, "ep_degree", int, 1, check=_positive),
+        field(12, "moe_sharding_degree", int, 1, check=_positive),
+        field(13, "dp_configs", _comm_group("DpConfig", "dp_configs", "check_nccl_config")),
+        field(14, "sep_configs", _comm_group("SepConfig", "sep_configs")),
+        field(15, "dp_sep_configs", _comm_group("DpSepConfig", "dp_sep_configs")),
+        field(16, "pp_tp_configs", _comm_group("PpTpConfig", "pp_tp_configs")),
+        field(17, "ep_configs", _comm_group("EpConfig", "ep_configs", "grad_nccl_config")),
+        field(
+            18,
+            "moe_sharding_configs",
+            _comm_group("MoeShardingConfig", "moe_sharding_configs", "check_nccl_config"),
+        ),
+        field(
+            19,
+            "default_comm_group_configs",
+            _comm_group("DefaultCommGroupConfig", "default_comm_group_configs"),
+        ),
+        field(20, "cp_degree", int, 1, check=_positive),
+        field(21, "cp_sharding_degree", int, 1, check=_positive),
+        field(22, "cp_configs", _comm_group("CpConfig", "cp_configs")),
+        field(23, "cp_sharding_configs", _comm_group("CpShardingConfig", "cp_sharding_configs")),
+        field(24, "dp_cp_configs", _comm_group("DpCpConfig", "dp_cp_configs")),
+        field(25, "cp_mp_configs", _comm_group("CpMpConfig", "cp_mp_configs")),
+        # Python-only in Paddle (DistributedStrategy.hybrid_parallel_order): mesh axis order,
+        # slowest-varying first.
+        field(
+            1001,
+            "order",
+            str,
+            list(DEFAULT_ORDER),
+            paddle=False,
+            check=one_of(*HYBRID_AXES),
+        ),
+    ],
+)
+
+TENSOR_PARALLEL_CONFIG = message(
+    "TensorParallelConfig",
+    "tensor_parallel_configs",
+    [
+        field(1, "tensor_parallel_degree", int, 1, check=_positive),
+        field(2, "tensor_init_seed", int, -1),
+    ],
+)
+
+TRAINER_DESC_CONFIG = message(
+    "TrainerDescConfig",
+    "trainer_desc_configs",
+    [
+        field(1, "dump_fields_path", str, "", note=_PS),
+        field(2, "dump_fields", str, [], note=_PS),
+        field(3, "dump_param", str, [], note=_PS),
+        field(4, "stat_var_names", str, [], note=_PS),
+        field(5, "trainer", str, "", note=_PS),
+        field(6, "device_worker", str, "", note=_PS),
+        field(7, "local_sparse", str, [], note=_PS),
+        field(8, "remote_sparse", str, [], note=_PS),
+    ],
+)
+
+FS_CLIENT_PARAMETER = message(
+    "FsClientParameter",
+    "fs_client_param",
+    [
+        field(1, "uri", str, "", note=_PS),
+        field(2, "user", str, "", note=_PS),
+        field(3, "passwd", str, "", note=_PS),
+        field(4, "hadoop_bin", str, "", note=_PS),
+    ],
+)
+
+QAT_CONFIG = message(
+    "QatConfig",
+    "qat_configs",
+    [
+        field(1, "channel_wise_abs_max", bool, True),
+        field(2, "weight_bits", int, 8, check=_positive),
+        field(3, "activation_bits", int, 8, check=_positive),
+        field(4, "not_quant_pattern", str, []),
+        field(5, "algo", str, ""),
+    ],
+)
+
+BUILD_STRATEGY = message(
+    "BuildStrategy",
+    "build_strategy",
+    [
+        field(1, "enable_sequential_execution", bool, False, paddle=False),
+        field(2, "fuse_elewise_add_act_ops", bool, False),
+        field(3, "fuse_bn_act_ops", bool, False),
+        field(4, "fuse_relu_depthwise_conv", bool, False),
+        field(5, "fuse_broadcast_ops", bool, False),
+        field(6, "fuse_all_optimizer_ops", bool, False),
+        field(7, "enable_inplace", bool, False),
+        field(8, "enable_backward_optimizer_op_deps", bool, True),
+        field(9, "cache_runtime_context", bool, False),
+        field(10, "fuse_bn_add_act_ops", bool, True),
+        field(11, "enable_auto_fusion", bool, False),
+        field(12, "enable_addto", bool, False),
+        field(13, "fix_op_run_order", bool, False, paddle=False),
+        field(14, "allow_cuda_graph_capture", bool, False),
+        field(15, "reduce_strategy", int, 0, check=one_of(0, 1, 2)),
+        field(16, "fuse_gemm_epilogue", bool, False),
+        field(17, "debug_graphviz_path", str, ""),
+        field(18, "fused_attention", bool, False),
+        field(19, "fused_feedforward", bool, False),
+        field(20, "fuse_dot_product_attention", bool, False),
+        field(21, "fuse_resunit", bool, False),
+    ],
+)
+
+EXECUTION_STRATEGY = message(
+    "ExecutionStrategy",
+    "execution_strategy",
+    [
+        field(1, "num_threads", int, 1, check=_positive),
+        field(2, "num_iteration_per_drop_scope", int, 10, check=_positive),
+        field(3, "num_iteration_per_run", int, 3, check=_positive, paddle_default=1),
+        field(4, "use_thread_barrier", bool, False),
+    ],
+)
+
+GRADIENT_SCALE_CONFIG = message(
+    "GradientScaleConfig",
+    "gradient_scale_configs",
+    [
+        field(1, "scale_strategy", str, "avg", check=one_of("avg", "sum", "customized")),
+        field(2, "scale_gradient", bool, False),
+    ],
+)
+
+MODE = Enum("Mode", (("COLLECTIVE", 1), ("PS", 2), ("PIPELINE", 3), ("HETER", 4)))
+
+DISTRIBUTED_STRATEGY = message(
+    "DistributedStrategy",
+    "DistributedStrategy",
+    [
+        field(1, "mode", MODE, "COLLECTIVE", check=one_of("COLLECTIVE")),
+        field(2, "amp", bool, False),
+        field(3, "recompute", bool, False),
+        field(4, "localsgd", bool, False),
+        field(5, "dgc", bool, False),
+        field(6, "gradient_merge", bool, False),
+        field(7, "lars", bool, False),
+        field(8, "lamb", bool, False),
+        field(9, "pipeline", bool, False),
+        field(10, "elastic", bool, False),
+        field(11, "auto", bool, False),
+        field(12, "a_sync", bool, True, note=_PS),
+        field(13, "sync_nccl_allreduce", bool, True),
+        field(14, "nccl_comm_num", int, 1, check=_positive),
+        field(15, "use_hierarchical_allreduce", bool, False),
+        field(16, "hierarchical_allreduce_inter_nranks", int, 1, check=_positive),
+        field(17, "sync_batch_norm", bool, False),
+        field(18, "fuse_all_reduce_ops", bool, True),
+        field(19, "fuse_grad_size_in_MB", int, 32, check=_non_negative),
+        field(
+            20, "fuse_grad_size_in_TFLOPS", float, 20.0, check=_non_negative, paddle_default=50.0
+        ),
+        field(21, "cudnn_exhaustive_search", bool, True, paddle_default=False),
+        field(22, "conv_workspace_size_limit", int, 4000, check=_non_negative, paddle_default=512),
+        field(23, "cudnn_batchnorm_spatial_persistent", bool, True, paddle_default=False),
+        field(24, "adaptive_localsgd", bool, False),
+        field(25, "fp16_allreduce", bool, False),
+        field(26, "sharding", bool, False),
+        field(27, "last_comm_group_size_MB", float, 1.0, check=greater_than(0)),
+        field(28, "find_unused_parameters", bool, False),
+        field(29, "tensor_parallel", bool, False),
+        field(30, "without_graph_optimization", bool, True, note=_STATIC),
+        field(31, "fuse_grad_size_in_num", int, 8, check=_positive),
+        field(32, "calc_comm_same_stream", bool, False),
+        field(33, "asp", bool, False),
+        field(34, "fuse_grad_merge", bool, False),
+        field(35, "semi_auto", bool, False),
+        field(36, "adam_d2sum", bool, False, note=_PS),
+        field(37, "auto_search", bool, False),
+        field(38, "heter_ccl_mode", bool, False, note=_PS),
+        field(39, "is_fl_ps_mode", bool, False, note=_PS),
+        field(40, "with_coordinator", bool, False, note=_PS),
+        field(41, "qat", bool, False),
+        field(42, "split_data", bool, True),
+        field(101, "recompute_configs", RECOMPUTE_CONFIG),
+        field(102, "amp_configs", AMP_CONFIG),
+        field(103, "localsgd_configs", LOCALSGD_CONFIG),
+        field(104, "gradient_merge_configs", GRADIENT_MERGE_CONFIG),
+        field(105, "dgc_configs", DGC_CONFIG),
+        field(106, "pipeline_configs", PIPELINE_CONFIG),
+        field(107, "a_sync_configs", ASYNC_CONFIG),
+        field(108, "lars_configs", LARS_CONFIG),
+        field(109, "lamb_configs", LAMB_CONFIG),
+        field(110, "adaptive_localsgd_configs", ADAPTIVE_LOCALSGD_CONFIG),
+        field(111, "sharding_configs", SHARDING_CONFIG),
+        field(112, "hybrid_configs", HYBRID_CONFIG),
+        field(113, "tensor_parallel_configs", TENSOR_PARALLEL_CONFIG),
+        field(114, "trainer_desc_configs", TRAINER_DESC_CONFIG),
+        field(116, "fs_client_param", FS_CLIENT_PARAMETER),
+        field(117, "qat_configs", QAT_CONFIG),
+        field(201, "build_strategy", BUILD_STRATEGY),
+        field(202, "execution_strategy", EXECUTION_STRATEGY, paddle=False),
+        field(203, "gradient_scale_configs", GRADIENT_SCALE_CONFIG),
+    ],
+)
+
+# -- paddle.distributed.Strategy (auto-parallel; seed 002) -------------------------------------
+# Section keys and defaults are Paddle's (python/paddle/distributed/auto_parallel/constants.py);
+# numbers only order the fields.
+
+AUTO_SHARDING = message(
+    "ShardingSection",
+    "sharding",
+    [
+        field(1, "enable", bool, False),
+        field(2, "stage", int, 1, check=one_of(1, 2, 3)),
+        field(3, "degree", int, 8, check=_positive),
+        field(4, "enable_overlap", bool, False),
+        field(5, "param_comm_stream_num", int, 1, check=_positive),
+        field(6, "grad_comm_stream_num", int, 1, check=_positive),
+        field(7, "param_bucket_size_numel", int, 1, check=_positive),
+        field(8, "grad_bucket_size_numel", int, 1, check=_positive),
+        field(9, "enable_hierarchical_comm", bool, False),
+        field(10, "partition_algor", str, "greedy_even"),
+        field(11, "enable_tuning", bool, False, note=_STATIC),
+        field(12, "tuning_range", int, []),
+        field(13, "release_gradients", bool, False),
+        field(14, "comm_buffer_size_MB", int, 256, check=_positive),
+        field(15, "enable_tensor_fusion", bool, False),
+        field(16, "save_unbalanced_param", bool, True),
+    ],
+)
+
+AUTO_FUSED_PASSES = message(
+    "FusedPassesSection",
+    "fused_passes",
+    [
+        field(1, "enable", bool, False),
+        field(2, "gemm_epilogue", bool, False),
+        field(3, "dropout_add", bool, False),
+    ],
+    hints={"gemm_spilogue": "the key is 'gemm_epilogue' (Paddle's docstring has a typo)"},
+)
+
+AUTO_GRADIENT_MERGE = message(
+    "GradientMergeSection",
+    "gradient_merge",
+    [
+        field(1, "enable", bool, False),
+        field(2, "k_steps", int, 1, check=_positive),
+        field(3, "avg", bool, True),
+    ],
+)
+
+AUTO_PIPELINE = message(
+    "PipelineSection",
+    "pipeline",
+    [
+        field(1, "enable", bool, False),
+        field(2, "schedule_mode", str, "1F1B", check=one_of(*SCHEDULE_MODES)),
+        field(3, "pp_degree", int, 1, check=_positive),
+        field(4, "vpp_degree", int, 1, check=_positive),
+        field(5, "vpp_seg_method", str, ""),
+        field(6, "micro_batch_size", int, 1, check=_positive),
+        field(7, "accumulate_steps", int, 1, check=_positive),
+        field(8, "generation_batch_size", int, 1, check=_positive),
+        field(9, "enable_send_recv_overlap", bool, False),
+        field(10, "job_schedule_profiler_start", int, -1),
+        field(11, "job_schedule_profiler_stop", int, -1),
+        field(12, "program_runtimes", int, [61, 72, 71, 34, 3]),
+        field(13, "memory_limit_times", int, -1),
+        field(14, "split_backward", bool, False),
+        field(15, "auto_parallel_sync_shared_params", bool, False),
+    ],
+)
+
+AUTO_AMP = message(
+    "AmpSection",
+    "amp",
+    [
+        field(1, "enable", bool, False),
+        field(2, "dtype", str, "float16", check=one_of("float16", "bfloat16")),
+        field(3, "level", str, "o1", check=one_of("o1", "o2", "O1", "O2")),
+        field(4, "init_loss_scaling", float, 32768.0, check=greater_than(0)),
+        field(5, "incr_every_n_steps", int, 1000, check=_positive),
+        field(6, "decr_every_n_nan_or_inf", int, 2, check=_positive),
+        field(7, "incr_ratio", float, 2.0, check=greater_than(1)),
+        field(8, "decr_ratio", float, 0.8, check=between(0, 1)),
+        field(9, "use_dynamic_loss_scaling", bool, True),
+        field(10, "custom_white_list", str, []),
+        field(11, "custom_black_list", str, []),
+        field(12, "custom_black_varnames", str, []),
+        field(13, "use_fp16_guard", bool, False),
+        field(14, "use_bf16_guard", bool, False),
+        field(15, "use_master_grad", bool, False),
+        field(16, "use_promote", bool, True),
+    ],
+)
+
+AUTO_RECOMPUTE = message(
+    "RecomputeSection",
+    "recompute",
+    [
+        field(1, "enable", bool, False),
+        field(2, "checkpoints", str, []),
+        field(3, "no_recompute_segments", int, []),
+        field(4, "sr", int, 0, check=_non_negative),
+        field(5, "refined_ops_patterns", REFINED_OPS_PATTERN, []),
+        field(6, "enable_tuning", bool, False, note=_STATIC),
+    ],
+)
+
+AUTO_STRATEGY = message(
+    "Strategy",
+    "Strategy",
+    [
+        field(1, "sharding", AUTO_SHARDING),
+        field(2, "fused_passes", AUTO_FUSED_PASSES),
+        field(3, "gradient_merge", AUTO_GRADIENT_MERGE),
+        field(4, "pipeline", AUTO_PIPELINE),
+        field(5, "amp", AUTO_AMP),
+        field(6, "recompute", AUTO_RECOMPUTE),
+    ],
+)
+
+
+def seed_default_differences() -> list[tuple[str, object, object]]:
+    """(field path, fleetjax default = the seeds', Paddle 3.3.1's proto default) for each field
+    whose default fleetjax takes from the seed documents rather than from Paddle's code."""
+    out = []
+
+    def walk(spec: MessageSpec, prefix: str) -> None:
+        for f in spec.fields:
+            if f.is_message and not f.repeated:
+                walk(f.type, f"{prefix}{f.name}.")
+            elif f.paddle_default is not None:
+                out.append((prefix + f.name, f.default, f.paddle_default))
+
+    walk(DISTRIBUTED_STRATEGY, "")
+    return out

@@ -1,0 +1,138 @@
+"""What a strategy asks for that this version of fleetjax does not do: never silently ignored.
+
+* A switch that changes what training computes (AMP, recompute, ZeRO, pipeline, ...) and is
+  not built yet raises `NotImplementedError` when a train step is made from the strategy.
+* A knob that does not change the numbers and has no effect here (parameter-server settings,
+  executor and NCCL tuning, ...) gives a `StrategyWarning` once per process, naming why.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+
+from fleetjax._config import Message
+from fleetjax.strategy import DistributedStrategy, Strategy
+
+
+class StrategyWarning(UserWarning):
+    """A strategy field that fleetjax accepts but that has no effect."""
+
+
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """Warn with `message` the first time it is seen in this process."""
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, StrategyWarning, stacklevel=3)
+
+
+# Switches that change the computation; each is implemented by its own transform.
+_NOT_YET_DISTRIBUTED = {
+    "amp": "automatic mixed precision",
+    "recompute": "recompute (activation checkpointing)",
+    "localsgd": "LocalSGD",
+    "adaptive_localsgd": "adaptive LocalSGD",
+    "dgc": "deep gradient compression",
+    "lars": "the LARS optimizer",
+    "lamb": "the LAMB optimizer",
+    "pipeline": "pipeline parallelism",
+    "fp16_allreduce": "fp16 gradient all-reduce",
+    "sharding": "ZeRO sharding",
+    "tensor_parallel": "tensor parallelism",
+    "asp": "2:4 structured sparsity (ASP)",
+    "qat": "quantization-aware training",
+    "auto": "the automatic parallel planner",
+    "semi_auto": "semi-automatic parallelism",
+    "auto_search": "automatic parallel search",
+}
+_NOT_YET_AUTO = {
+    "sharding": "ZeRO sharding",
+    "gradient_merge": "gradient merge",
+    "pipeline": "pipeline parallelism",
+    "amp": "automatic mixed precision",
+    "recompute": "recompute (activation checkpointing)",
+    "fused_passes": "fused passes",
+}
+# Knobs that only tune performance; mapping them onto XLA flags is not done yet.
+_PERFORMANCE_ONLY = (
+    "sync_nccl_allreduce",
+    "nccl_comm_num",
+    "use_hierarchical_allreduce",
+    "hierarchical_allreduce_inter_nranks",
+    "fuse_all_reduce_ops",
+    "fuse_grad_size_in_MB",
+    "fuse_grad_size_in_TFLOPS",
+    "cudnn_exhaustive_search",
+    "conv_workspace_size_limit",
+    "cudnn_batchnorm_spatial_persistent",
+    "last_comm_group_size_MB",
+    "find_unused_parameters",
+    "fuse_grad_size_in_num",
+    "calc_comm_same_stream",
+    "fuse_grad_merge",
+    "elastic",
+    "split_data",
+    "build_strategy",
+    "execution_strategy",
+)
+
+
+def _unsupported(what: str, setting: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"{setting}: {what} is not available in this version of fleetjax; "
+        "turn it off to train without it"
+    )
+
+
+def _noted_fields(message: Message, prefix: str = "") -> Iterator[tuple[str, str]]:
+    """(path, note) for every non-default field whose schema says it has no effect here."""
+    for f in message._spec.fields:
+        value = message._get(f.name)
+        path = prefix + f.name
+        if isinstance(value, Message):
+            yield from _noted_fields(value, path + ".")
+        elif f.note and message._plain(f.name) != f.default:
+            yield path, f.note
+
+
+def check_supported(strategy: DistributedStrategy | Strategy) -> None:
+    """Raise for switches fleetjax cannot apply yet; warn once for knobs without effect."""
+    if isinstance(strategy, Strategy):
+        for section, what in _NOT_YET_AUTO.items():
+            config = getattr(strategy, section)
+            if config.enable and not (section == "gradient_merge" and config.k_steps == 1):
+                raise _unsupported(what, f"Strategy.{section}.enable=True")
+        for path, note in _noted_fields(strategy):
+            warn_once(f"Strategy.{path} has no effect in fleetjax: {note}")
+        return
+    for name, what in _NOT_YET_DISTRIBUTED.items():
+        if getattr(strategy, name):
+            raise _unsupported(what, f"DistributedStrategy.{name}=True")
+    if strategy.gradient_merge and strategy.gradient_merge_configs["k_steps"] > 1:
+        raise _unsupported("gradient merge", "DistributedStrategy.gradient_merge=True")
+    degrees = strategy.hybrid_configs
+    for key, what in (
+        ("sharding_degree", "ZeRO sharding"),
+        ("pp_degree", "pipeline parallelism"),
+        ("mp_degree", "tensor parallelism"),
+    ):
+        if degrees[key] > 1:
+            raise _unsupported(what, f"hybrid_configs.{key}={degrees[key]}")
+    if strategy.gradient_scale_configs["scale_strategy"] != "avg":
+        raise _unsupported(
+            "gradient scaling other than the mean over replicas",
+            "gradient_scale_configs.scale_strategy="
+            f"{strategy.gradient_scale_configs['scale_strategy']!r}",
+        )
+    for path, note in _noted_fields(strategy):
+        warn_once(f"DistributedStrategy.{path} has no effect in fleetjax: {note}")
+    defaults = DistributedStrategy()
+    for name in _PERFORMANCE_ONLY:
+        if getattr(strategy, name) != getattr(defaults, name):
+            warn_once(
+                f"DistributedStrategy.{name} is a performance setting that this version of "
+                "fleetjax does not apply yet; training is computed the same without it"
+            )

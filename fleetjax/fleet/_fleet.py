@@ -1,0 +1,212 @@
+"""The `Fleet` facade: Paddle's Fleet API as a thin stateful shell over fleetjax's functions."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+import optax
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+
+from fleetjax.fleet._util import UtilBase
+from fleetjax.fleet.role_maker import PaddleCloudRoleMaker, RoleMakerBase
+from fleetjax.mesh import mesh_from_strategy
+from fleetjax.optimizers import DistributedOptimizer, distributed_optimizer
+from fleetjax.strategy import DistributedStrategy, Strategy
+
+logger = logging.getLogger("fleetjax")
+
+_PS_ERROR = (
+    "{}() is a parameter-server call; parameter-server mode is not supported yet "
+    "(fleetjax trains in collective mode)"
+)
+
+
+class Fleet:
+    """Paddle's `fleet` singleton: initialise once with `init`, then query roles, make
+    distributed optimizers and synchronise workers.
+
+    With several worker endpoints (`PADDLE_TRAINER_ENDPOINTS`, as `fleetrun`/`fleetjax-run`
+    set), `init` joins all processes with `jax.distributed.initialize` into one global mesh.
+    """
+
+    def __init__(self) -> None:
+        self._role: RoleMakerBase | None = None
+        self._strategy: DistributedStrategy | Strategy | None = None
+        self._mesh: Mesh | None = None
+        self.util = UtilBase(self)
+
+    # -- set-up ---------------------------------------------------------------------------
+    def init(
+        self,
+        role_maker: RoleMakerBase | None = None,
+        is_collective: bool = True,
+        strategy: DistributedStrategy | Strategy | None = None,
+        log_level: int | str = "INFO",
+    ) -> Fleet:
+        """Set up this process: its role, `jax.distributed` if several processes, the mesh.
+
+        Args:
+          role_maker: default `PaddleCloudRoleMaker()` (reads the `PADDLE_*` variables).
+          is_collective: must be True (parameter-server mode is not supported yet).
+          strategy: a `DistributedStrategy` or `Strategy` (copied; default plain DP). Its
+            degrees shape the mesh.
+          log_level: the level of the "fleetjax" logger.
+
+        Raises:
+          NotImplementedError: for parameter-server mode.
+          RuntimeError: if JAX already ran a computation and several processes must join.
+          ValueError: if the strategy's degrees do not fit the devices.
+        """
+        if not isinstance(is_collective, bool):
+            raise TypeError(f"is_collective must be bool, got {type(is_collective).__name__}")
+        if not is_collective:
+            raise NotImplementedError(_PS_ERROR.format("init(is_collective=False)"))
+        if role_maker is None:
+            role_maker = PaddleCloudRoleMaker(is_collective=True)
+        if not isinstance(role_maker, RoleMakerBase):
+            raise TypeError(
+                f"role_maker must be a fleetjax role maker, got {type(role_maker).__name__}"
+            )
+        strategy = DistributedStrategy() if strategy is None else strategy
+        if not isinstance(strategy, (DistributedStrategy, Strategy)):
+            raise TypeError(
+                "strategy must be a fleetjax.DistributedStrategy or fleetjax.Strategy, "
+                f"got {type(strategy).__name__}"
+            )
+        logger.setLevel(log_level)
+        if role_maker.is_distributed:
+            _join_processes(role_maker)
+        self._mesh = mesh_from_strategy(strategy)
+        self._role, self._strategy = role_maker, strategy.__copy__()
+        logger.info(
+            "fleet: worker %d of %d, mesh %s",
+            role_maker.worker_index,
+            role_maker.worker_num,
+            dict(self._mesh.shape),
+        )
+        return self
+
+    def _checked_role(self) -> RoleMakerBase:
+        if self._role is None:
+            raise RuntimeError("call fleet.init() first")
+        return self._role
+
+    @property
+    def mesh(self) -> Mesh:
+        """The global device mesh built from the strategy by `init`."""
+        self._checked_role()
+        assert self._mesh is not None
+        return self._mesh
+
+    @property
+    def strategy(self) -> DistributedStrategy | Strategy:
+        """The strategy in effect (a copy of the one given to `init` or
+        `distributed_optimizer`)."""
+        self._checked_role()
+        assert self._strategy is not None
+        return self._strategy
+
+    def distributed_optimizer(
+        self,
+        optimizer: optax.GradientTransformation,
+        strategy: DistributedStrategy | Strategy | None = None,
+    ) -> DistributedOptimizer:
+        """Bind `optimizer` to the fleet's strategy and mesh, for `make_train_step`.
+
+        A `strategy` given here replaces the one from `init` (Paddle's rule), with a warning,
+        and the mesh is rebuilt from it.
+        """
+        self._checked_role()
+        if strategy is not None:
+            logger.warning(
+                "a strategy given to fleet.distributed_optimizer() replaces the one from "
+                "fleet.init(); pass it to fleet.init() instead"
+            )
+            self._mesh = mesh_from_strategy(strategy)
+            self._strategy = strategy.__copy__()
+        return distributed_optimizer(optimizer, self.strategy, self.mesh)
+
+    # -- roles ----------------------------------------------------------------------------
+    def worker_index(self) -> int:
+        return self._checked_role().worker_index
+
+    def worker_num(self) -> int:
+        return self._checked_role().worker_num
+
+    def is_first_worker(self) -> bool:
+        return self.worker_index() == 0
+
+    def is_worker(self) -> bool:
+        return self._checked_role().is_collective
+
+    def worker_endpoints(self, to_string: bool = False) -> list[str] | str:
+        endpoints = self._checked_role().worker_endpoints
+        return ",".join(endpoints) if to_string else list(endpoints)
+
+    def node_num(self) -> int:
+        return self._checked_role().node_num
+
+    def server_num(self) -> int:
+        """0: there are no parameter servers in collective mode."""
+        self._checked_role()
+        return 0
+
+    def server_index(self) -> int:
+        """0: there are no parameter servers in collective mode."""
+        self._checked_role()
+        return 0
+
+    def server_endpoints(self, to_string: bool = False) -> list[str] | str:
+        """Empty: there are no parameter servers in collective mode."""
+        self._checked_role()
+        return "" if to_string else []
+
+    def is_server(self) -> bool:
+        self._checked_role()
+        return False
+
+    def barrier_worker(self) -> None:
+        """Wait until every worker process reaches this call (a real cross-process barrier)."""
+        self._checked_role()
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("fleetjax.barrier_worker")
+
+    # -- parameter-server runtime: not supported -------------------------------------------
+    def init_worker(self, *args: object, **kwargs: object) -> None:
+        raise NotImplementedError(_PS_ERROR.format("init_worker"))
+
+    def init_server(self, *args: object, **kwargs: object) -> None:
+        raise NotImplementedError(_PS_ERROR.format("init_server"))
+
+    def run_server(self) -> None:
+        raise NotImplementedError(_PS_ERROR.format("run_server"))
+
+    def stop_worker(self) -> None:
+        raise NotImplementedError(_PS_ERROR.format("stop_worker"))
+
+
+def _join_processes(role: RoleMakerBase) -> None:
+    """`jax.distributed.initialize` for this worker; the coordinator is worker 0's endpoint
+    unless `JAX_COORDINATOR_ADDRESS` names another."""
+    if jax.distributed.is_initialized():
+        if jax.process_count() != role.worker_num:
+            raise RuntimeError(
+                f"jax.distributed already joined {jax.process_count()} processes, but the "
+                f"role lists {role.worker_num} workers"
+            )
+        return
+    coordinator = os.environ.get("JAX_COORDINATOR_ADDRESS") or role.worker_endpoints[0]
+    try:
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            num_processes=role.worker_num,
+            process_id=role.worker_index,
+        )
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"could not join {role.worker_num} processes through {coordinator}: {e}. "
+            "fleet.init() must run before any JAX computation in each process."
+        ) from e

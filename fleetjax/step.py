@@ -1,0 +1,191 @@
+"""`make_train_step`: the one place where a strategy turns a loss into a distributed step.
+
+The step is one `jax.jit` over the global batch. The batch's leading dimension is split over
+the data axes (`dp` and `sharding`); parameters and optimizer state are replicated; XLA inserts
+the gradient all-reduce because the loss is a mean over a batch that lives on every device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from fleetjax import _support
+from fleetjax.mesh import (
+    AXES,
+    batch_sharding,
+    data_axes,
+    data_parallel_size,
+    mesh_from_strategy,
+    replicated,
+    strategy_degrees,
+)
+from fleetjax.optimizers import DistributedOptimizer
+from fleetjax.strategy import DistributedStrategy, Strategy
+
+LossFn = Callable[..., Any]
+
+
+class TrainState(NamedTuple):
+    """Everything a step updates: the optimizer step count, parameters and optimizer state."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+class TrainStep:
+    """A compiled training step; make one with `make_train_step`.
+
+    `step.init(params)` places parameters and builds the optimizer state; `step(state, batch)`
+    returns `(new_state, metrics)` and donates `state`; `step.lower(state, batch)` gives the
+    lowered computation (`.compile().as_text()`, `.compile().memory_analysis()`).
+    """
+
+    def __init__(
+        self,
+        loss_fn: LossFn,
+        optimizer: optax.GradientTransformation,
+        strategy: DistributedStrategy | Strategy,
+        mesh: Mesh,
+        has_aux: bool,
+    ) -> None:
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.strategy = strategy
+        self.mesh = mesh
+        self.has_aux = has_aux
+        self.batch_sharding = batch_sharding(mesh)
+        self.state_sharding = replicated(mesh)
+        self._step = jax.jit(
+            self._update,
+            in_shardings=(self.state_sharding, self.batch_sharding),
+            out_shardings=(self.state_sharding, replicated(mesh)),
+            donate_argnums=0,
+        )
+        self._init = jax.jit(self._initial_state, out_shardings=self.state_sharding)
+
+    def _initial_state(self, params: Any) -> TrainState:
+        return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+
+    def _update(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        grad_fn = jax.value_and_grad(self.loss_fn, has_aux=self.has_aux)
+        value, grads = grad_fn(state.params, batch)
+        loss, aux = value if self.has_aux else (value, {})
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        return TrainState(state.step + 1, params, opt_state), {"loss": loss, **aux}
+
+    def init(self, params: Any) -> TrainState:
+        """The initial state: `params` replicated over the mesh and a fresh optimizer state."""
+        return self._init(jax.device_put(params, self.state_sharding))
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        """One optimizer step on the global `batch` (host data is placed here; see
+        `shard_batch`). Returns the new state and metrics (`"loss"`, plus the aux dict)."""
+        return self._step(state, self.shard_batch(batch))
+
+    def lower(self, state: TrainState, batch: Any) -> jax.stages.Lowered:
+        """The lowered step for `state` and `batch` (only shapes are used; nothing runs)."""
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(
+                self._global_shape(x), x.dtype, sharding=self.batch_sharding
+            ),
+            self._checked_batch(batch),
+        )
+        return self._step.lower(state, abstract)
+
+    def shard_batch(self, batch: Any) -> Any:
+        """`batch` as global arrays split over the data axes.
+
+        Host arrays (numpy, lists) are this process's part of the global batch: with one
+        process, the whole batch; with several, each passes its own rows and the global batch
+        is their concatenation in process order. JAX arrays are used as they are.
+        """
+        return jax.tree.map(self._place, self._checked_batch(batch))
+
+    def _place(self, x: Any) -> jax.Array:
+        if isinstance(x, jax.Array):
+            return x
+        return jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(x))
+
+    def _global_shape(self, x: Any) -> tuple[int, ...]:
+        if isinstance(x, jax.Array):
+            return x.shape
+        return (x.shape[0] * jax.process_count(), *x.shape[1:])
+
+    def _checked_batch(self, batch: Any) -> Any:
+        ways = data_parallel_size(self.mesh)
+        split = " x ".join(f"{a}={self.mesh.shape[a]}" for a in data_axes(self.mesh))
+
+        def check(path: Any, x: Any) -> Any:
+            x = x if isinstance(x, (jax.Array, np.ndarray)) else np.asarray(x)
+            name = "batch" + jax.tree_util.keystr(path)
+            if x.ndim == 0:
+                raise ValueError(f"{name} is a scalar; every batch leaf needs a batch dimension")
+            rows = self._global_shape(x)[0]
+            if rows % ways:
+                raise ValueError(
+                    f"{name} has {rows} rows, which do not split evenly over the "
+                    f"{ways} data-parallel devices ({split})"
+                )
+            return x
+
+        return jax.tree_util.tree_map_with_path(check, batch)
+
+
+def _check_mesh(mesh: Mesh, strategy: DistributedStrategy | Strategy) -> None:
+    unknown = [a for a in mesh.axis_names if a not in AXES]
+    if unknown:
+        raise ValueError(
+            f"mesh axes {unknown} are not fleetjax axes; name mesh axes from {', '.join(AXES)}"
+        )
+    for axis, degree in strategy_degrees(strategy).items():
+        size = mesh.shape.get(axis, 1)
+        if degree != -1 and degree != size:
+            raise ValueError(
+                f"the strategy asks for {axis} degree {degree}, but the mesh's {axis} axis "
+                f"has size {size}"
+            )
+
+
+def make_train_step(
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    strategy: DistributedStrategy | Strategy | None = None,
+    mesh: Mesh | None = None,
+    *,
+    has_aux: bool = False,
+) -> TrainStep:
+    """A jitted training step for `loss_fn(params, batch)` under `strategy`.
+
+    Args:
+      loss_fn: `loss_fn(params, batch) -> scalar` (or `(scalar, aux_dict)` with
+        `has_aux=True`; the aux entries join the metrics). It sees the global batch, so a mean
+        over it is the data-parallel loss.
+      optimizer: any optax transformation, or one from `fleet.distributed_optimizer`.
+      strategy: a `DistributedStrategy` or `Strategy`; default the optimizer's, else plain
+        data parallel.
+      mesh: default the optimizer's, else built from the strategy over all devices.
+      has_aux: whether `loss_fn` returns `(loss, aux_dict)`.
+
+    Raises:
+      NotImplementedError: if the strategy turns on a feature this version cannot apply.
+      ValueError: if `mesh` does not fit the strategy.
+    """
+    if isinstance(optimizer, DistributedOptimizer):
+        strategy = strategy if strategy is not None else optimizer.strategy
+        mesh = mesh if mesh is not None else optimizer.mesh
+    strategy = strategy if strategy is not None else DistributedStrategy()
+    _support.check_supported(strategy)
+    if mesh is None:
+        mesh = mesh_from_strategy(strategy)
+    else:
+        _check_mesh(mesh, strategy)
+    return TrainStep(loss_fn, optimizer, strategy, mesh, has_aux)

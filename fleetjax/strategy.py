@@ -1,0 +1,198 @@
+"""Paddle's strategy objects: `DistributedStrategy` (fleet), its `BuildStrategy` and
+`ExecutionStrategy`, and the newer `Strategy` (`paddle.distributed.Strategy`).
+
+Strategies are configuration only: they hold and validate settings and read and write
+prototxt; `make_train_step` and `fleet.init` read them. Every field name, config key and default
+is Paddle's (defaults from the seed documents where those differ from Paddle's code; see
+`seed_default_differences`). Where Paddle is quirky, fleetjax is strict:
+
+* assigning a dict to a `*_configs` field updates only the keys given; a list value replaces
+  the old list (Paddle appends);
+* an unknown attribute, config key or section raises `UnknownFieldError` listing the valid names;
+* a value of the wrong type raises `TypeError` naming the field and the expected type, a value
+  out of range raises `ValueError` saying what is allowed, and the old value stays (Paddle only
+  warns for many fields);
+* config getters return the live config, so `s.amp_configs["incr_ratio"] = 3.0` takes effect
+  (in Paddle it silently does nothing);
+* `repr()` shows the fields that differ from the defaults.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+from fleetjax import _prototxt, _schema
+from fleetjax._config import Message, MessageSpec
+from fleetjax._prototxt import PrototxtError
+
+__all__ = [
+    "BuildStrategy",
+    "DistributedStrategy",
+    "ExecutionStrategy",
+    "Strategy",
+    "seed_default_differences",
+]
+
+seed_default_differences = _schema.seed_default_differences
+
+
+class _Whole(Message):
+    """A top-level strategy object; pickles by value."""
+
+    def __reduce__(self) -> tuple[type, tuple[dict[str, Any]]]:
+        return type(self), (self.set_values(),)
+
+
+class BuildStrategy(_Whole):
+    """`paddle.static.BuildStrategy`: graph build options (operator fusion and the like).
+
+    Example: `fleetjax.BuildStrategy(fuse_bn_act_ops=True)`. Assigned to
+    `DistributedStrategy.build_strategy` it is copied, as in Paddle.
+    """
+
+    SPEC = _schema.BUILD_STRATEGY
+    ReduceStrategy = enum.IntEnum("ReduceStrategy", {"AllReduce": 0, "Reduce": 1, "_NoReduce": 2})
+
+
+class ExecutionStrategy(_Whole):
+    """`paddle.static.ExecutionStrategy` (Paddle 2.x): executor options.
+
+    Paddle 3.x removed it from `DistributedStrategy`; fleetjax keeps it, reads it from 2.x
+    prototxt files and writes it as extension lines that Paddle 3.x skips.
+    """
+
+    SPEC = _schema.EXECUTION_STRATEGY
+
+
+# Names Paddle users write that are not proto field names: Paddle's Python-side properties, and
+# three BuildStrategy fields (and the thread count) that seed 003's examples set on the strategy
+# itself. Each maps to the field path that holds the value.
+_ALIASES: dict[str, tuple[str, ...]] = {
+    "_fuse_grad_size_in_TFLOPS": ("fuse_grad_size_in_TFLOPS",),
+    "_calc_comm_same_stream": ("calc_comm_same_stream",),
+    "is_with_coordinator": ("with_coordinator",),
+    "hybrid_parallel_order": ("hybrid_configs", "order"),
+    "sync_param_name": ("hybrid_configs", "mp_configs", "sync_param_name"),
+    "fuse_all_optimizer_ops": ("build_strategy", "fuse_all_optimizer_ops"),
+    "fuse_bn_act_ops": ("build_strategy", "fuse_bn_act_ops"),
+    "fuse_elewise_add_act_ops": ("build_strategy", "fuse_elewise_add_act_ops"),
+    "thread_num": ("execution_strategy", "num_threads"),
+}
+
+
+class DistributedStrategy(_Whole):
+    """`paddle.distributed.fleet.DistributedStrategy`: every switch and `*_configs` block.
+
+    Example:
+      >>> import fleetjax
+      >>> s = fleetjax.DistributedStrategy()
+      >>> s.hybrid_configs = {"dp_degree": 2, "mp_degree": 4}
+      >>> s.amp = True
+      >>> s.amp_configs = {"init_loss_scaling": 1024.0}
+      >>> s
+      DistributedStrategy(amp=True, amp_configs={'init_loss_scaling': 1024.0}, \
+hybrid_configs={'dp_degree': 2, 'mp_degree': 4})
+
+    Attributes are the fields of Paddle's `message DistributedStrategy` (and
+    `execution_strategy`, `hybrid_parallel_order`, `sync_param_name`); `*_configs` read as live,
+    validated dicts.
+    """
+
+    SPEC = _schema.DISTRIBUTED_STRATEGY
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _ALIASES:
+            *parents, leaf = _ALIASES[name]
+            return self._descend(parents)._get(leaf)
+        return super().__getattr__(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _ALIASES:
+            *parents, leaf = _ALIASES[name]
+            self._descend(parents).update({leaf: value})
+        else:
+            super().__setattr__(name, value)
+
+    def _descend(self, path: list[str]) -> Message:
+        target: Message = self
+        for name in path:
+            target = target._get(name)
+        return target
+
+    def save_to_prototxt(self, output: str | os.PathLike) -> None:
+        """Write the strategy to `output` in Paddle's prototxt format (atomically).
+
+        Records the fields that were set, plus the fields whose fleetjax default (the seeds')
+        differs from Paddle's, so that Paddle reads the same strategy.
+        """
+        text = _prototxt.format(self.SPEC, _with_seed_defaults(self.SPEC, self.set_values()))
+        directory = os.path.dirname(os.path.abspath(output))
+        with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp") as f:
+            f.write(text)
+        os.replace(f.name, output)
+
+    def load_from_prototxt(self, pb_file: str | os.PathLike) -> DistributedStrategy:
+        """Set the fields that the prototxt file `pb_file` records; returns self.
+
+        Files written by Paddle 2.x and 3.x load. As with dict assignment, repeated fields in the
+        file replace the current lists (Paddle appends, so loading twice doubled them).
+
+        Raises:
+          PrototxtError: naming the file and, for an unknown field or a malformed value, the line.
+        """
+        with open(pb_file) as f:
+            text = f.read()
+        values = _prototxt.parse(text, self.SPEC, source=os.fspath(pb_file))
+        try:
+            self.update(values)
+        except (KeyError, TypeError, ValueError) as e:
+            raise PrototxtError(f"{os.fspath(pb_file)}: {e}") from None
+        return self
+
+    @classmethod
+    def from_prototxt(cls, pb_file: str | os.PathLike) -> DistributedStrategy:
+        """A new strategy with the fields the prototxt file `pb_file` records."""
+        return cls().load_from_prototxt(pb_file)
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(_ALIASES))
+
+
+def _with_seed_defaults(spec: MessageSpec, values: dict[str, Any]) -> dict[str, Any]:
+    """`values` plus every unset Paddle field whose fleetjax default differs from Paddle's."""
+    out = dict(values)
+    for f in spec.fields:
+        if not f.paddle:
+            continue
+        if f.is_message and not f.repeated:
+            nested = _with_seed_defaults(f.type, out.get(f.name, {}))
+            if nested:
+                out[f.name] = nested
+        elif f.paddle_default is not None and f.name not in out:
+            out[f.name] = f.default
+    return out
+
+
+class Strategy(_Whole):
+    """`paddle.distributed.Strategy` (auto-parallel): nested config sections.
+
+    Sections: `sharding` (enable, stage 1/2/3, degree, ...), `fused_passes` (enable,
+    gemm_epilogue, dropout_add), `gradient_merge` (enable, k_steps, avg), `pipeline` (enable,
+    schedule_mode, micro_batch_size, accumulate_steps, ...), `amp` and `recompute`.
+
+    Example:
+      >>> s = fleetjax.Strategy({"sharding": {"enable": True, "stage": 2, "degree": 4}})
+      >>> s.gradient_merge.k_steps = 4
+
+    Unlike Paddle, unknown sections or keys raise `UnknownFieldError` and values are checked
+    (e.g. `sharding.stage` must be 1, 2 or 3).
+    """
+
+    SPEC = _schema.AUTO_STRATEGY
+
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        super().__init__(config)

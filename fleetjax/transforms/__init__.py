@@ -1,0 +1,1 @@
+"""Step transforms, one per file, each usable on its own; `make_train_step` composes them."""

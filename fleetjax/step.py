@@ -104,16 +104,19 @@ class TrainStep:
     def shard_batch(self, batch: Any) -> Any:
         """`batch` as global arrays split over the data axes.
 
-        Host arrays (numpy, lists) are this process's part of the global batch: with one
+        Host (numpy) arrays are this process's part of the global batch: with one
         process, the whole batch; with several, each passes its own rows and the global batch
-        is their concatenation in process order. JAX arrays are used as they are.
+        is their concatenation in process order. JAX arrays are global already; they are
+        resharded if they are not split that way.
         """
         return jax.tree.map(self._place, self._checked_batch(batch))
 
     def _place(self, x: Any) -> jax.Array:
-        if isinstance(x, jax.Array):
+        if not isinstance(x, jax.Array):
+            return jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(x))
+        if x.sharding.is_equivalent_to(self.batch_sharding, x.ndim):
             return x
-        return jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(x))
+        return jax.device_put(x, self.batch_sharding)
 
     def _global_shape(self, x: Any) -> tuple[int, ...]:
         if isinstance(x, jax.Array):
@@ -141,6 +144,7 @@ class TrainStep:
 
 
 def _check_mesh(mesh: Mesh, strategy: DistributedStrategy | Strategy) -> None:
+    """`mesh` must use fleetjax's axis names and have the sizes the strategy asks for."""
     unknown = [a for a in mesh.axis_names if a not in AXES]
     if unknown:
         raise ValueError(
@@ -148,7 +152,8 @@ def _check_mesh(mesh: Mesh, strategy: DistributedStrategy | Strategy) -> None:
         )
     for axis, degree in strategy_degrees(strategy).items():
         size = mesh.shape.get(axis, 1)
-        if degree != -1 and degree != size:
+        asked = degree != (-1 if axis == "dp" else 1)
+        if asked and degree != size:
             raise ValueError(
                 f"the strategy asks for {axis} degree {degree}, but the mesh's {axis} axis "
                 f"has size {size}"

@@ -1,0 +1,43 @@
+"""The README's main job, shortened: examples/train_digits.py on 8 simulated CPU devices."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import fleetjax
+
+EXAMPLE = pathlib.Path(__file__).parents[1] / "examples" / "train_digits.py"
+
+
+def run(*args: str) -> tuple[str, str]:
+    """(the final summary line, the progress bar output)."""
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLE), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().splitlines()[-1], out.stderr
+
+
+def test_trains_and_prints_a_summary():
+    summary, progress = run("--steps", "150")
+    assert "training: 100%" in progress
+    assert "8 cpu devices, mesh {'dp': 8, 'pp': 1, 'sharding': 1, 'mp': 1}" in summary
+    accuracy = float(summary.split("test accuracy ")[1].split("%")[0])
+    assert accuracy > 90, summary
+    assert "samples/s" in summary
+
+
+def test_strategy_from_a_prototxt_file(tmp_path):
+    s = fleetjax.DistributedStrategy()
+    s.hybrid_configs = {"dp_degree": 4, "order": ["dp", "pp", "sharding", "mp"]}
+    s.save_to_prototxt(tmp_path / "s.prototxt")
+    summary, _ = run(
+        "--steps", "5", "--cpu-devices", "4", "--strategy", str(tmp_path / "s.prototxt")
+    )
+    assert "4 cpu devices, mesh {'dp': 4" in summary

@@ -1,0 +1,57 @@
+"""Two worker processes joined by fleet.init() from PADDLE_* variables (gloo on CPU)."""
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+WORKER = pathlib.Path(__file__).with_name("multiprocess_worker.py")
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def test_two_processes_train_data_parallel():
+    endpoints = [f"127.0.0.1:{port}" for port in _free_ports(2)]
+    procs = []
+    for rank, endpoint in enumerate(endpoints):
+        env = {
+            **os.environ,
+            "XLA_FLAGS": "",
+            "JAX_PLATFORMS": "cpu",
+            "WORKER_CPU_DEVICES": "4",
+            "PADDLE_TRAINER_ID": str(rank),
+            "PADDLE_TRAINERS_NUM": "2",
+            "PADDLE_TRAINER_ENDPOINTS": ",".join(endpoints),
+            "PADDLE_CURRENT_ENDPOINT": endpoint,
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=180)[0])
+    finally:
+        for proc in procs:
+            proc.kill()
+    for rank, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode == 0, f"worker {rank} failed:\n{out}"
+        assert f"roles ok: worker {rank} of 2, 8 global devices" in out
+        assert "train ok" in out
+    assert "files ['part-0', 'part-1', 'part-2']" in outputs[0]
+    assert "files ['part-3', 'part-4']" in outputs[1]

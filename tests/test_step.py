@@ -1,0 +1,217 @@
+"""make_train_step: data parallel on 8 devices equals plain optax on one; what XLA compiled."""
+
+import math
+import warnings
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hlo import collectives
+from jax.sharding import PartitionSpec
+
+import fleetjax
+from fleetjax.mesh import build_mesh
+
+
+def loss_fn(params, batch):
+    hidden = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+    return jnp.mean((hidden @ params["w2"] - batch["y"]) ** 2)
+
+
+def loss_with_aux(params, batch):
+    loss = loss_fn(params, batch)
+    return loss, {"twice": 2 * loss}
+
+
+def make_params(seed=0):
+    rng = np.random.RandomState(seed)
+    return {
+        "w1": rng.randn(16, 32).astype(np.float32) / 4,
+        "b1": np.zeros(32, np.float32),
+        "w2": rng.randn(32, 4).astype(np.float32) / 6,
+    }
+
+
+def make_batch(seed=1, rows=64):
+    rng = np.random.RandomState(seed)
+    return {"x": rng.randn(rows, 16).astype(np.float32), "y": rng.randn(rows, 4).astype(np.float32)}
+
+
+def reference(params, batches, tx):
+    """Plain optax on one device, the whole batch at once."""
+    device = jax.devices()[0]
+    params = jax.device_put(params, device)
+    opt_state, losses = tx.init(params), []
+    for batch in batches:
+        loss, grads = jax.value_and_grad(loss_fn)(params, jax.device_put(batch, device))
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        losses.append(float(loss))
+    return params, losses
+
+
+@pytest.mark.parametrize(
+    "tx", [optax.sgd(0.1, momentum=0.9), optax.adamw(1e-2)], ids=["sgd", "adamw"]
+)
+def test_eight_devices_equal_one(tx):
+    batches = [make_batch(seed) for seed in range(4)]
+    step = fleetjax.make_train_step(loss_fn, tx)
+    state = step.init(make_params())
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    expected_params, expected_losses = reference(make_params(), batches, tx)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    chex.assert_trees_all_close(state.params, expected_params, rtol=1e-5, atol=1e-6)
+    assert int(state.step) == 4
+
+
+def test_placement_and_compiled_all_reduce():
+    step = fleetjax.make_train_step(loss_fn, optax.sgd(0.1))
+    state = step.init(make_params())
+    batch = step.shard_batch(make_batch())
+    assert batch["x"].sharding.spec == PartitionSpec(("dp", "sharding"))
+    assert {s.data.shape for s in batch["x"].addressable_shards} == {(8, 16)}
+    assert state.params["w1"].sharding.is_fully_replicated
+    found = collectives(step.lower(state, batch).compile().as_text())
+    assert found, "XLA inserted no collective"
+    assert {(c.op, c.group_size) for c in found} == {("all-reduce", 8)}
+    assert "f32[32,16]" in "".join(c.shape for c in found)  # the w1 gradient
+
+
+def test_per_device_argument_bytes():
+    """Each device holds all parameters and optimizer state, and 1/8 of the batch."""
+    tx = optax.adam(1e-3)
+    step = fleetjax.make_train_step(loss_fn, tx)
+    state = step.init(make_params())
+    batch = make_batch(rows=256)
+    memory = step.lower(state, batch).compile().memory_analysis()
+    nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))  # noqa: E731
+    state_bytes = nbytes(jax.device_get(state))
+    assert memory.argument_size_in_bytes == state_bytes + nbytes(batch) // 8
+
+
+def test_state_is_donated():
+    step = fleetjax.make_train_step(loss_fn, optax.sgd(0.1))
+    state = step.init(make_params())
+    new_state, _ = step(state, make_batch())
+    assert state.params["w1"].is_deleted()
+    assert not new_state.params["w1"].is_deleted()
+
+
+def test_aux_metrics():
+    step = fleetjax.make_train_step(loss_with_aux, optax.sgd(0.1), has_aux=True)
+    _, metrics = step(step.init(make_params()), make_batch())
+    assert set(metrics) == {"loss", "twice"}
+    np.testing.assert_allclose(metrics["twice"], 2 * metrics["loss"], rtol=1e-6)
+
+
+def test_device_arrays_as_batches():
+    step = fleetjax.make_train_step(loss_fn, optax.sgd(0.1))
+    state = step.init(make_params())
+    batch = make_batch()
+    state, m1 = step(state, jax.device_put(batch, step.batch_sharding))
+    state, m2 = step(state, jax.device_put(batch, jax.devices()[3]))  # resharded by the step
+    assert float(m2["loss"]) < float(m1["loss"])
+
+
+def test_batch_that_does_not_split():
+    step = fleetjax.make_train_step(loss_fn, optax.sgd(0.1))
+    state = step.init(make_params())
+    with pytest.raises(ValueError, match=(
+        r"batch\['x'\] has 60 rows, which do not split evenly over the 8 data-parallel "
+        r"devices \(dp=8 x sharding=1\)"
+    )):  # fmt: skip
+        step(state, make_batch(rows=60))
+    with pytest.raises(ValueError, match=r"batch\['lr'\] is a scalar"):
+        step(state, {**make_batch(), "lr": 0.1})
+
+
+def test_data_axes_are_dp_and_sharding():
+    mesh = build_mesh(dp=4, sharding=2)
+    tx = optax.sgd(0.1)
+    step = fleetjax.make_train_step(loss_fn, tx, mesh=mesh)
+    _, metrics = step(step.init(make_params()), make_batch())
+    assert step.shard_batch(make_batch())["x"].sharding.shard_shape((64, 16)) == (8, 16)
+    _, expected = reference(make_params(), [make_batch()], tx)
+    np.testing.assert_allclose(float(metrics["loss"]), expected[0], rtol=1e-6)
+
+
+def test_model_axis_in_the_mesh_replicates_the_batch_over_it():
+    step = fleetjax.make_train_step(loss_fn, optax.sgd(0.1), mesh=build_mesh(dp=2, mp=4))
+    assert step.shard_batch(make_batch())["x"].sharding.shard_shape((64, 16)) == (32, 16)
+
+
+def test_mesh_must_fit_the_strategy():
+    s = fleetjax.DistributedStrategy()
+    s.hybrid_configs = {"dp_degree": 8}
+    with pytest.raises(ValueError, match="asks for dp degree 8, but the mesh's dp axis has size 4"):
+        fleetjax.make_train_step(loss_fn, optax.sgd(0.1), s, mesh=build_mesh(dp=4, mp=2))
+    other = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    with pytest.raises(ValueError, match=r"mesh axes \['data'\] are not fleetjax axes"):
+        fleetjax.make_train_step(loss_fn, optax.sgd(0.1), mesh=other)
+
+
+def test_strategy_and_mesh_come_from_the_distributed_optimizer():
+    s = fleetjax.DistributedStrategy()
+    s.hybrid_configs = {"dp_degree": 8, "order": ["pp", "sharding", "mp", "dp"]}
+    opt = fleetjax.distributed_optimizer(optax.sgd(0.1), s)
+    step = fleetjax.make_train_step(loss_fn, opt)
+    assert step.strategy == s
+    assert step.mesh.axis_names == ("pp", "sharding", "mp", "dp")
+
+
+def test_auto_parallel_strategy_is_accepted():
+    step = fleetjax.make_train_step(loss_fn, optax.sgd(0.1), fleetjax.Strategy())
+    _, metrics = step(step.init(make_params()), make_batch())
+    assert math.isfinite(float(metrics["loss"]))
+
+
+class TestNothingIsSilentlyIgnored:
+    @pytest.mark.parametrize(
+        ("setting", "message"),
+        [
+            ({"amp": True}, "DistributedStrategy.amp=True: automatic mixed precision is not"),
+            ({"recompute": True}, "DistributedStrategy.recompute=True"),
+            ({"dgc": True}, "deep gradient compression"),
+            ({"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}}, "gradient merge"),
+            ({"hybrid_configs": {"mp_degree": 2}}, "hybrid_configs.mp_degree=2: tensor"),
+            ({"gradient_scale_configs": {"scale_strategy": "sum"}}, "scale_strategy='sum'"),
+        ],
+    )
+    def test_features_not_built_yet_raise(self, setting, message):
+        s = fleetjax.DistributedStrategy(setting)
+        with pytest.raises(NotImplementedError, match=message):
+            fleetjax.make_train_step(loss_fn, optax.sgd(0.1), s)
+
+    def test_auto_parallel_sections_not_built_yet_raise(self):
+        s = fleetjax.Strategy({"sharding": {"enable": True, "degree": 2}})
+        with pytest.raises(NotImplementedError, match=r"Strategy.sharding.enable=True: ZeRO"):
+            fleetjax.make_train_step(loss_fn, optax.sgd(0.1), s)
+
+    def test_merge_of_one_step_is_plain_training(self):
+        s = fleetjax.DistributedStrategy(gradient_merge=True)  # k_steps=1, as in Paddle
+        fleetjax.make_train_step(loss_fn, optax.sgd(0.1), s)
+
+    def test_performance_knobs_warn_once(self):
+        s = fleetjax.DistributedStrategy(nccl_comm_num=2)
+        with pytest.warns(fleetjax.StrategyWarning, match="nccl_comm_num is a performance"):
+            fleetjax.make_train_step(loss_fn, optax.sgd(0.1), s)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            fleetjax.make_train_step(loss_fn, optax.sgd(0.1), s)  # already warned
+
+    def test_parameter_server_knobs_warn_with_the_reason(self):
+        s = fleetjax.DistributedStrategy(a_sync=False)
+        with pytest.warns(fleetjax.StrategyWarning, match="a_sync has no effect.*parameter-server"):
+            fleetjax.make_train_step(loss_fn, optax.sgd(0.1), s)
+
+    def test_defaults_do_not_warn(self):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            fleetjax.make_train_step(loss_fn, optax.sgd(0.1), fleetjax.DistributedStrategy())
+            fleetjax.make_train_step(loss_fn, optax.sgd(0.1), fleetjax.Strategy())

@@ -33,11 +33,19 @@ LossFn = Callable[..., Any]
 
 
 class TrainState(NamedTuple):
-    """Everything a step updates: the optimizer step count, parameters and optimizer state."""
+    """Everything a step updates, as one pytree (checkpointed as one unit).
+
+    Attributes:
+      step: the number of steps taken (int32).
+      params: the parameters.
+      opt_state: the optimizer state.
+      rng: raw key data (uint32[2]); step `i` gives the loss `fold_in(rng, i)`.
+    """
 
     step: jax.Array
     params: Any
     opt_state: Any
+    rng: jax.Array
 
 
 class TrainStep:
@@ -55,12 +63,14 @@ class TrainStep:
         strategy: DistributedStrategy | Strategy,
         mesh: Mesh,
         has_aux: bool,
+        has_rng: bool,
     ) -> None:
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.strategy = strategy
         self.mesh = mesh
         self.has_aux = has_aux
+        self.has_rng = has_rng
         self.batch_sharding = batch_sharding(mesh)
         self.state_sharding = replicated(mesh)
         self._step = jax.jit(
@@ -71,20 +81,25 @@ class TrainStep:
         )
         self._init = jax.jit(self._initial_state, out_shardings=self.state_sharding)
 
-    def _initial_state(self, params: Any) -> TrainState:
-        return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+    def _initial_state(self, params: Any, rng: jax.Array) -> TrainState:
+        return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params), rng)
 
     def _update(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        extra = (jax.random.fold_in(state.rng, state.step),) if self.has_rng else ()
         grad_fn = jax.value_and_grad(self.loss_fn, has_aux=self.has_aux)
-        value, grads = grad_fn(state.params, batch)
+        value, grads = grad_fn(state.params, batch, *extra)
         loss, aux = value if self.has_aux else (value, {})
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        return TrainState(state.step + 1, params, opt_state), {"loss": loss, **aux}
+        new_state = TrainState(state.step + 1, params, opt_state, state.rng)
+        return new_state, {"loss": loss, **aux}
 
-    def init(self, params: Any) -> TrainState:
-        """The initial state: `params` replicated over the mesh and a fresh optimizer state."""
-        return self._init(jax.device_put(params, self.state_sharding))
+    def init(self, params: Any, seed: int | jax.Array = 0) -> TrainState:
+        """The initial state: `params` replicated over the mesh, a fresh optimizer state, and
+        the step key from `seed` (an int, or raw key data)."""
+        rng = jax.random.PRNGKey(seed) if isinstance(seed, int) else jnp.asarray(seed)
+        placed = jax.device_put((params, rng), self.state_sharding)
+        return self._init(*placed)
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         """One optimizer step on the global `batch` (host data is placed here; see
@@ -167,11 +182,12 @@ def make_train_step(
     mesh: Mesh | None = None,
     *,
     has_aux: bool = False,
+    has_rng: bool = False,
 ) -> TrainStep:
     """A jitted training step for `loss_fn(params, batch)` under `strategy`.
 
     Args:
-      loss_fn: `loss_fn(params, batch) -> scalar` (or `(scalar, aux_dict)` with
+      loss_fn: `loss_fn(params, batch[, rng]) -> scalar` (or `(scalar, aux_dict)` with
         `has_aux=True`; the aux entries join the metrics). It sees the global batch, so a mean
         over it is the data-parallel loss.
       optimizer: any optax transformation, or one from `fleet.distributed_optimizer`.
@@ -179,6 +195,8 @@ def make_train_step(
         data parallel.
       mesh: default the optimizer's, else built from the strategy over all devices.
       has_aux: whether `loss_fn` returns `(loss, aux_dict)`.
+      has_rng: whether `loss_fn` takes a third argument, a fresh PRNG key each step (for
+        dropout and the like), derived from `state.rng` and `state.step`.
 
     Raises:
       NotImplementedError: if the strategy turns on a feature this version cannot apply.
@@ -193,4 +211,4 @@ def make_train_step(
         mesh = mesh_from_strategy(strategy)
     else:
         _check_mesh(mesh, strategy)
-    return TrainStep(loss_fn, optimizer, strategy, mesh, has_aux)
+    return TrainStep(loss_fn, optimizer, strategy, mesh, has_aux, has_rng)

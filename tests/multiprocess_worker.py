@@ -33,6 +33,11 @@ def main() -> None:
     assert len(jax.devices()) == count * local, jax.devices()
     print(f"roles ok: worker {rank} of {count}, {len(jax.devices())} global devices")
 
+    # The fastest-varying axis (mp) stays within a process (host); dp crosses processes.
+    mesh = fleetjax.build_mesh(mp=local)
+    owners = np.vectorize(lambda d: d.process_index)(mesh.devices).reshape(count, local)
+    assert (owners == np.arange(count)[:, None]).all(), owners
+
     fleet.barrier_worker()
     total = fleet.util.all_reduce(rank + 1)
     assert total == count * (count + 1) // 2, total

@@ -143,18 +143,20 @@ def test_unknown_field_names_field_and_line(tmp_path):
     )
 
 
-def test_unknown_nested_field(tmp_path):
-    path = write(tmp_path, "amp_configs {\n  use_bf16: true\n}\n")
-    with pytest.raises(
-        fleetjax.PrototxtError, match=r': 2:3 : .*AMPConfig" has no field named "use_bf16"'
-    ):
-        DistributedStrategy.from_prototxt(path)
-
-
-def test_malformed_value_names_the_line(tmp_path):
-    path = write(tmp_path, 'amp: true\namp_configs { init_loss_scaling: "x" }\n')
-    with pytest.raises(fleetjax.PrototxtError, match=r"2:\d+ : .*init_loss_scaling"):
-        DistributedStrategy.from_prototxt(path)
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "amp_configs {\n  use_bf16: true\n}\n",
+            r': 2:3 : .*AMPConfig" has no field named "use_bf16"',
+        ),
+        ('amp: true\namp_configs { init_loss_scaling: "x" }\n', r": 2:\d+ : .*init_loss_scaling"),
+    ],
+    ids=["unknown-nested-field", "malformed-value"],
+)
+def test_errors_name_the_line(tmp_path, text, expected):
+    with pytest.raises(fleetjax.PrototxtError, match=expected):
+        DistributedStrategy.from_prototxt(write(tmp_path, text))
 
 
 def test_value_out_of_range_in_a_file(tmp_path):

@@ -110,6 +110,23 @@ def test_aux_metrics():
     np.testing.assert_allclose(metrics["twice"], 2 * metrics["loss"], rtol=1e-6)
 
 
+def test_a_fresh_key_each_step():
+    def loss(params, batch, rng):
+        return loss_fn(params, batch), {"noise": jax.random.uniform(rng)}
+
+    step = fleetjax.make_train_step(loss, optax.sgd(0.1), has_aux=True, has_rng=True)
+    state = step.init(make_params(), seed=3)
+    noises = []
+    for _ in range(3):
+        state, metrics = step(state, make_batch())
+        noises.append(float(metrics["noise"]))
+    expected = [
+        float(jax.random.uniform(jax.random.fold_in(jax.random.PRNGKey(3), i))) for i in range(3)
+    ]
+    assert noises == expected
+    assert len(set(noises)) == 3
+
+
 def test_device_arrays_as_batches():
     step = fleetjax.make_train_step(loss_fn, optax.sgd(0.1))
     state = step.init(make_params())

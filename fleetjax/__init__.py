@@ -25,6 +25,8 @@ from fleetjax.strategy import (
     Strategy,
     seed_default_differences,
 )
+from fleetjax.transforms.amp import fp16_guard
+from fleetjax.transforms.recompute import checkpoint_name, recompute
 
 __version__ = "0.1.0"
 
@@ -40,11 +42,14 @@ __all__ = [
     "TrainStep",
     "UnknownFieldError",
     "build_mesh",
+    "checkpoint_name",
     "distributed_optimizer",
     "fleet",
+    "fp16_guard",
     "make_train_step",
     "mesh",
     "optimizers",
+    "recompute",
     "seed_default_differences",
     "transforms",
 ]

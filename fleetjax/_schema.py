@@ -26,6 +26,19 @@ from fleetjax._config import (
 # Paddle spellings of pipeline schedules (static fleet, auto-parallel and dygraph registries).
 SCHEDULE_MODES = ("1F1B", "F-then-B", "FThenB", "VPP", "Eager1F1B", "ZBH1", "ZBVPP")
 
+# The plain policies of `jax.checkpoint_policies`, for the `policy` extension key of recompute.
+REMAT_POLICIES = (
+    "nothing_saveable",
+    "everything_saveable",
+    "dots_saveable",
+    "checkpoint_dots",
+    "dots_with_no_batch_dims_saveable",
+    "checkpoint_dots_with_no_batch_dims",
+)
+_remat_policy = one_of("", *REMAT_POLICIES)
+_half = one_of("float16", "bfloat16")
+_merge_mode = one_of("across_calls", "in_step")
+
 # Axes Paddle's hybrid topology knows; fleetjax's mesh has dp, pp, sharding and mp.
 HYBRID_AXES = ("dp", "pp", "sharding", "sep", "cp", "mp")
 DEFAULT_ORDER = ["dp", "pp", "sharding", "sep", "cp", "mp"]
@@ -86,6 +99,8 @@ RECOMPUTE_CONFIG = message(
         field(3, "checkpoint_shape", int, [], check=_positive),
         field(4, "enable_tuning", bool, False),
         field(5, "refined_ops_patterns", REFINED_OPS_PATTERN, []),
+        # fleetjax: a named jax.checkpoint_policies policy, alone or with the checkpoints.
+        field(1001, "policy", str, "", paddle=False, check=_remat_policy),
     ],
 )
 
@@ -106,6 +121,8 @@ AMP_CONFIG = message(
         field(11, "use_fp16_guard", bool, True),
         field(12, "use_optimizer_fp16", bool, False),
         field(13, "use_pure_bf16", bool, False),
+        # fleetjax: the O1 half-precision dtype (Paddle's static O1 is float16 only).
+        field(1001, "dtype", str, "float16", paddle=False, check=_half),
     ],
     hints={"use_bf16": "the bf16 switch is 'use_pure_bf16'"},
 )
@@ -122,7 +139,13 @@ LOCALSGD_CONFIG = message(
 GRADIENT_MERGE_CONFIG = message(
     "GradientMergeConfig",
     "gradient_merge_configs",
-    [field(1, "k_steps", int, 1, check=_positive), field(2, "avg", bool, True)],
+    [
+        field(1, "k_steps", int, 1, check=_positive),
+        field(2, "avg", bool, True),
+        # fleetjax: "across_calls" (Paddle's: the optimizer runs every k calls) or "in_step"
+        # (each call splits its batch into k micro-batches).
+        field(1001, "mode", str, "across_calls", paddle=False, check=_merge_mode),
+    ],
 )
 
 DGC_CONFIG = message(
@@ -498,6 +521,8 @@ DISTRIBUTED_STRATEGY = message(
         field(40, "with_coordinator", bool, False, note=_PS),
         field(41, "qat", bool, False),
         field(42, "split_data", bool, True),
+        # fleetjax: the dtype fp16_allreduce communicates in.
+        field(1001, "fp16_allreduce_dtype", str, "float16", paddle=False, check=_half),
         field(101, "recompute_configs", RECOMPUTE_CONFIG),
         field(102, "amp_configs", AMP_CONFIG),
         field(103, "localsgd_configs", LOCALSGD_CONFIG),
@@ -565,6 +590,7 @@ AUTO_GRADIENT_MERGE = message(
         field(1, "enable", bool, False),
         field(2, "k_steps", int, 1, check=_positive),
         field(3, "avg", bool, True),
+        field(4, "mode", str, "in_step", check=_merge_mode),
     ],
 )
 
@@ -623,6 +649,7 @@ AUTO_RECOMPUTE = message(
         field(4, "sr", int, 0, check=_non_negative),
         field(5, "refined_ops_patterns", REFINED_OPS_PATTERN, []),
         field(6, "enable_tuning", bool, False, note=_STATIC),
+        field(7, "policy", str, "", check=_remat_policy),
     ],
 )
 

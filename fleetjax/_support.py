@@ -31,15 +31,12 @@ def warn_once(message: str) -> None:
 
 # Switches that change the computation; each is implemented by its own transform.
 _NOT_YET_DISTRIBUTED = {
-    "amp": "automatic mixed precision",
-    "recompute": "recompute (activation checkpointing)",
     "localsgd": "LocalSGD",
     "adaptive_localsgd": "adaptive LocalSGD",
     "dgc": "deep gradient compression",
     "lars": "the LARS optimizer",
     "lamb": "the LAMB optimizer",
     "pipeline": "pipeline parallelism",
-    "fp16_allreduce": "fp16 gradient all-reduce",
     "sharding": "ZeRO sharding",
     "tensor_parallel": "tensor parallelism",
     "asp": "2:4 structured sparsity (ASP)",
@@ -50,10 +47,7 @@ _NOT_YET_DISTRIBUTED = {
 }
 _NOT_YET_AUTO = {
     "sharding": "ZeRO sharding",
-    "gradient_merge": "gradient merge",
     "pipeline": "pipeline parallelism",
-    "amp": "automatic mixed precision",
-    "recompute": "recompute (activation checkpointing)",
     "fused_passes": "fused passes",
 }
 # Knobs that only tune performance; mapping them onto XLA flags is not done yet.
@@ -103,7 +97,7 @@ def check_supported(strategy: DistributedStrategy | Strategy) -> None:
     if isinstance(strategy, Strategy):
         for section, what in _NOT_YET_AUTO.items():
             config = getattr(strategy, section)
-            if config.enable and not (section == "gradient_merge" and config.k_steps == 1):
+            if config.enable:
                 raise _unsupported(what, f"Strategy.{section}.enable=True")
         for path, note in _noted_fields(strategy):
             warn_once(f"Strategy.{path} has no effect in fleetjax: {note}")
@@ -111,8 +105,6 @@ def check_supported(strategy: DistributedStrategy | Strategy) -> None:
     for name, what in _NOT_YET_DISTRIBUTED.items():
         if getattr(strategy, name):
             raise _unsupported(what, f"DistributedStrategy.{name}=True")
-    if strategy.gradient_merge and strategy.gradient_merge_configs["k_steps"] > 1:
-        raise _unsupported("gradient merge", "DistributedStrategy.gradient_merge=True")
     degrees = strategy.hybrid_configs
     for key, what in (
         ("sharding_degree", "ZeRO sharding"),

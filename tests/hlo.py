@@ -46,3 +46,22 @@ def collectives(hlo_text: str) -> list[Collective]:
         if (m := _OP.search(line)) and "-done(" not in line:
             found.append(Collective(m.group("op"), m.group("shape"), _group_size(line)))
     return found
+
+
+_STABLEHLO_TYPE = re.compile(r"tensor<(?:[\d?]+x)*([a-z]+\d*)>")
+
+
+def stablehlo_dtypes(lowered_text: str, op: str) -> set[str]:
+    """The element types in the signatures of every `stablehlo.<op>` in a lowered module
+    (`jit(f).lower(...).as_text()`), e.g. {"bf16"} for half-precision dots. Ops with a region
+    (`"stablehlo.all_reduce"(...) ({ ... }) : (types) -> types`) are read to the region's end."""
+    instruction = re.compile(rf'(?:^|=)\s*"?stablehlo\.{re.escape(op)}"?[\s(]')
+    found: set[str] = set()
+    lines = lowered_text.splitlines()
+    for i, line in enumerate(lines):
+        if not instruction.search(line.strip()):
+            continue
+        if line.rstrip().endswith("({"):  # the signature follows the region's closing "})"
+            line = next(rest for rest in lines[i + 1 :] if rest.strip().startswith("})"))
+        found.update(_STABLEHLO_TYPE.findall(line.rsplit(" : ", 1)[-1]))
+    return found

@@ -1,6 +1,6 @@
 """The HLO reader the other tests rely on, on each replica-group syntax XLA prints."""
 
-from hlo import Collective, collectives
+from hlo import Collective, collectives, stablehlo_dtypes
 
 MESH = (
     "  %all-reduce.4 = (f32[32]{0}, f32[]) all-reduce(%a, %b), channel_id=1, "
@@ -22,3 +22,30 @@ def test_each_syntax():
 def test_mesh_groups_over_one_axis():
     line = "%x = f32[4] all-reduce(%y), replica_groups=mesh['dp'=2,'mp'=4] {'mp'}"
     assert collectives(line)[0].group_size == 4
+
+
+def test_stablehlo_dtypes():
+    text = "\n".join(
+        [
+            "%2 = stablehlo.dot_general %0, %1, contracting_dims = [1] x [0] : "
+            "(tensor<8x16xbf16>, tensor<16x4xbf16>) -> tensor<8x4xbf16>",
+            "%3 = stablehlo.exponential %2 : tensor<8x4xf32>",
+            "%4 = stablehlo.reduce(%3 init: %c) applies stablehlo.add across dimensions = [1] : "
+            "(tensor<8x4xf32>, tensor<f32>) -> tensor<8xf32>",
+        ]
+    )
+    assert stablehlo_dtypes(text, "dot_general") == {"bf16"}
+    assert stablehlo_dtypes(text, "exponential") == {"f32"}
+    assert stablehlo_dtypes(text, "reduce") == {"f32"}
+    assert stablehlo_dtypes(text, "tanh") == set()
+    assert stablehlo_dtypes(text, "add") == set()  # only named as the reduce's reducer
+    region = "\n".join(
+        [
+            '%4 = "stablehlo.all_reduce"(%3) <{replica_groups = dense<[[0, 1]]>}> ({',
+            "^bb0(%a: tensor<bf16>, %b: tensor<bf16>):",
+            "  %5 = stablehlo.add %a, %b : tensor<bf16>",
+            "  stablehlo.return %5 : tensor<bf16>",
+            "}) : (tensor<32xbf16>) -> tensor<32xbf16>",
+        ]
+    )
+    assert stablehlo_dtypes(region, "all_reduce") == {"bf16"}

@@ -48,7 +48,7 @@ def test_paddle_written_hybrid_file(version):
     assert s.sharding_configs["stage"] == 2
     assert s.hybrid_configs["mp_configs"]["sync_param"] is False
     assert [s.hybrid_configs[f"{a}_degree"] for a in ("dp", "mp", "pp")] == [2, 2, 2]
-    assert s.gradient_merge_configs == {"k_steps": 4, "avg": False}
+    assert s.gradient_merge_configs == {"k_steps": 4, "avg": False, "mode": "across_calls"}
 
 
 def test_paddle_2_file_with_execution_strategy():

@@ -261,7 +261,7 @@ class TestErrors:
             s.gradient_merge_configs = {"k_step": 1}
         text = str(info.value)
         assert "'k_step'" in text and "gradient_merge_configs" in text
-        assert "did you mean 'k_steps'" in text and "Valid names: k_steps, avg" in text
+        assert "did you mean 'k_steps'" in text and "Valid names: k_steps, avg, mode" in text
 
     def test_unknown_nested_key_is_an_error(self):
         s = DistributedStrategy()
@@ -361,7 +361,12 @@ class TestStrategy:
         s.pipeline.enable = True
         s.pipeline.schedule_mode = "1F1B"
         s.pipeline.micro_batch_size = 2
-        assert s.to_dict()["gradient_merge"] == {"enable": True, "k_steps": 2, "avg": False}
+        assert s.to_dict()["gradient_merge"] == {
+            "enable": True,
+            "k_steps": 2,
+            "avg": False,
+            "mode": "in_step",
+        }
 
     def test_unknown_section_and_key(self):
         with pytest.raises(fleetjax.UnknownFieldError, match="'shard' is not a field of Strat"):
@@ -401,6 +406,6 @@ class TestValueSemantics:
 
     def test_config_equals_plain_dict(self):
         s = DistributedStrategy()
-        expected = {"k_steps": 1, "avg": True}
+        expected = {"k_steps": 1, "avg": True, "mode": "across_calls"}
         assert s.gradient_merge_configs == expected
         assert dict(s.gradient_merge_configs) == expected

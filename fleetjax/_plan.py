@@ -1,0 +1,170 @@
+"""Reading a strategy once: what the train step must do, as plain values the transforms take.
+
+`read_plan` is the only place that interprets strategy fields for the step; transforms never see
+a strategy. Both `DistributedStrategy` and `Strategy` map onto the same `Plan`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fleetjax import _support
+from fleetjax.strategy import DistributedStrategy, Strategy
+from fleetjax.transforms import amp
+
+
+@dataclasses.dataclass(frozen=True)
+class Recompute:
+    checkpoints: tuple[str, ...]
+    policy: str | None
+    offload: bool
+    checkpoint_shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaling:
+    init_loss_scaling: float
+    dynamic: bool
+    incr_every_n_steps: int
+    decr_every_n_nan_or_inf: int
+    incr_ratio: float
+    decr_ratio: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Amp:
+    policy: amp.Policy
+    loss_scaling: LossScaling | None  # None: no scaling and no skipping (bfloat16's default)
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientMerge:
+    k_steps: int
+    avg: bool
+    in_step: bool  # True: micro-batches within one call; False: the optimizer runs every k calls
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The transforms a train step applies; None means off."""
+
+    recompute: Recompute | None = None
+    amp: Amp | None = None
+    gradient_merge: GradientMerge | None = None
+    allreduce_dtype: str | None = None  # fp16_allreduce: the dtype gradients are summed in
+
+
+def _recompute(switch: str, config, where: str, shape: tuple[int, ...] = ()) -> Recompute:
+    checkpoints, policy = tuple(config["checkpoints"]), config["policy"] or None
+    if not checkpoints and policy is None:
+        raise ValueError(
+            f"{switch} is on but keeps nothing: set {where}['checkpoints'] to the activation "
+            f"names given with fleetjax.checkpoint_name, or {where}['policy'] to a "
+            "jax.checkpoint_policies name (e.g. 'dots_saveable', or 'nothing_saveable' to "
+            "recompute everything)"
+        )
+    return Recompute(checkpoints, policy, bool(config.get("enable_offload", False)), shape)
+
+
+def _loss_scaling(config, dtype: str) -> LossScaling | None:
+    # bfloat16 has float32's range, so it needs no loss scaling unless asked for explicitly.
+    if dtype == "bfloat16" and not config.is_set("use_dynamic_loss_scaling"):
+        return None
+    return LossScaling(
+        init_loss_scaling=config["init_loss_scaling"],
+        dynamic=config["use_dynamic_loss_scaling"],
+        incr_every_n_steps=config["incr_every_n_steps"],
+        decr_every_n_nan_or_inf=config["decr_every_n_nan_or_inf"],
+        incr_ratio=config["incr_ratio"],
+        decr_ratio=config["decr_ratio"],
+    )
+
+
+def _distributed_amp(s: DistributedStrategy) -> Amp | None:
+    if not s.amp:
+        return None
+    c = s.amp_configs
+    if c["use_pure_fp16"] and c["use_pure_bf16"]:
+        raise ValueError("amp_configs: use_pure_fp16 and use_pure_bf16 cannot both be True")
+    if c["use_pure_bf16"]:
+        dtype, level = "bfloat16", "O2"
+    elif c["use_pure_fp16"]:
+        dtype, level = "float16", "O2"
+    else:
+        dtype, level = c["dtype"], "O1"
+    policy = amp.policy(
+        dtype,
+        level,
+        c["custom_white_list"],
+        c["custom_black_list"],
+        c["custom_black_varnames"],
+        # Paddle applies use_fp16_guard to pure float16 only.
+        use_guard=c["use_fp16_guard"] and c["use_pure_fp16"],
+    )
+    return Amp(policy, _loss_scaling(c, dtype))
+
+
+def _auto_amp(s: Strategy) -> Amp | None:
+    c = s.amp
+    if not c.enable:
+        return None
+    level = c.level.upper()
+    guard = c.use_fp16_guard if c.dtype == "float16" else c.use_bf16_guard
+    policy = amp.policy(
+        c.dtype,
+        level,
+        c.custom_white_list,
+        c.custom_black_list,
+        c.custom_black_varnames,
+        use_guard=guard and level == "O2",
+        promote=c.use_promote,
+    )
+    return Amp(policy, _loss_scaling(c, c.dtype))
+
+
+def _distributed_merge(s: DistributedStrategy) -> GradientMerge | None:
+    """From `gradient_merge_configs`, or `sharding_configs.gradient_merge_acc_step` under
+    sharding (Paddle's sharding gradient merge, which runs across calls)."""
+    config = s.gradient_merge_configs
+    merge = (config["k_steps"], config["avg"], config["mode"] == "in_step")
+    acc_step = s.sharding_configs["gradient_merge_acc_step"] if s.sharding else 1
+    if s.gradient_merge and config["k_steps"] > 1:
+        if acc_step > 1 and acc_step != config["k_steps"]:
+            raise ValueError(
+                f"gradient merge is set twice: gradient_merge_configs.k_steps="
+                f"{config['k_steps']} but sharding_configs.gradient_merge_acc_step={acc_step}"
+            )
+        return GradientMerge(*merge)
+    return GradientMerge(acc_step, True, False) if acc_step > 1 else None
+
+
+def read_plan(strategy: DistributedStrategy | Strategy) -> Plan:
+    """The `Plan` for `strategy`; raises for settings fleetjax cannot apply, warns once for
+    settings without effect."""
+    _support.check_supported(strategy)
+    if isinstance(strategy, Strategy):
+        merge = strategy.gradient_merge
+        recompute = strategy.recompute
+        return Plan(
+            recompute=_recompute("Strategy.recompute.enable", recompute, "Strategy.recompute")
+            if recompute.enable
+            else None,
+            amp=_auto_amp(strategy),
+            gradient_merge=GradientMerge(merge.k_steps, merge.avg, merge.mode == "in_step")
+            if merge.enable and merge.k_steps > 1
+            else None,
+        )
+    recompute = strategy.recompute_configs
+    return Plan(
+        recompute=_recompute(
+            "DistributedStrategy.recompute",
+            recompute,
+            "recompute_configs",
+            tuple(recompute["checkpoint_shape"]),
+        )
+        if strategy.recompute
+        else None,
+        amp=_distributed_amp(strategy),
+        gradient_merge=_distributed_merge(strategy),
+        allreduce_dtype=strategy.fp16_allreduce_dtype if strategy.fp16_allreduce else None,
+    )

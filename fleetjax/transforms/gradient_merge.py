@@ -1,0 +1,93 @@
+"""Gradient merge (Paddle's `gradient_merge`, `gradient_merge_configs` k_steps/avg), two ways.
+
+* Across calls (`DistributedStrategy.gradient_merge`, Paddle's `GradientMergeOptimizer`): every
+  call adds its gradient to an accumulator; the optimizer runs on calls k, 2k, ... only, on the
+  mean (avg) or sum of the k gradients, so its state and learning-rate schedule count real
+  updates. This is `optax.MultiSteps`; `across_calls` returns it.
+* In one call (`Strategy.gradient_merge`, Paddle auto-parallel's batch split): the batch is split
+  into k micro-batches and a `lax.scan` accumulates their gradients, so peak activation memory
+  is one micro-batch's; `microbatched` wraps a gradient function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+
+GradFn = Callable[..., tuple[tuple[jax.Array, dict[str, Any]], Any]]
+
+
+def _check_k(k_steps: int) -> None:
+    if not isinstance(k_steps, int) or isinstance(k_steps, bool) or k_steps < 1:
+        raise ValueError(f"k_steps must be a positive int, got {k_steps!r}")
+
+
+def across_calls(
+    optimizer: optax.GradientTransformation, k_steps: int, avg: bool = True
+) -> optax.GradientTransformation:
+    """`optimizer` applied on every `k_steps`-th call to the merged gradient (mean if `avg`,
+    else sum); the other calls only accumulate and leave parameters unchanged."""
+    _check_k(k_steps)
+    return optax.MultiSteps(optimizer, every_k_schedule=k_steps, use_grad_mean=avg)
+
+
+def split_batch(batch: Any, k_steps: int, sharding: NamedSharding | None = None) -> Any:
+    """`batch` with a new leading micro-batch axis of size `k_steps`.
+
+    Micro-batch i takes rows i, i + k, i + 2k, ...: with the batch split over data-parallel
+    devices in contiguous blocks, every device then holds an equal part of every micro-batch
+    (`sharding`, if given, says so to the compiler: the micro-batch axis unsplit).
+    """
+
+    def split(x: jax.Array) -> jax.Array:
+        if x.shape[0] % k_steps:
+            raise ValueError(
+                f"gradient merge splits the batch into k_steps={k_steps} micro-batches, but a "
+                f"batch leaf has {x.shape[0]} rows"
+            )
+        parts = jnp.swapaxes(x.reshape(x.shape[0] // k_steps, k_steps, *x.shape[1:]), 0, 1)
+        return parts if sharding is None else jax.lax.with_sharding_constraint(parts, sharding)
+
+    return jax.tree.map(split, batch)
+
+
+def microbatched(
+    grad_fn: GradFn,
+    k_steps: int,
+    avg: bool = True,
+    sharding: NamedSharding | None = None,
+) -> GradFn:
+    """`grad_fn(params, batch, *rest) -> ((loss, aux), grads)` over `k_steps` micro-batches.
+
+    Gradients are the mean of the micro-batch gradients (the large-batch gradient) if `avg`,
+    else their sum; the loss and aux values are means. A PRNG key in `rest` (the third
+    argument) is folded with the micro-batch index. `sharding` is the micro-batched leaves'
+    sharding (see `split_batch`).
+    """
+    _check_k(k_steps)
+
+    def merged(params: Any, batch: Any, *rest: Any) -> tuple[tuple[jax.Array, Any], Any]:
+        parts = split_batch(batch, k_steps, sharding)
+
+        def one(index: jax.Array, micro: Any) -> tuple[tuple[jax.Array, Any], Any]:
+            extra = (jax.random.fold_in(rest[0], index), *rest[1:]) if rest else ()
+            return grad_fn(params, micro, *extra)
+
+        # The first micro-batch starts the sum, so the carry has the gradients' types
+        # (inside shard_map, per-device values) without building zeros of the same kind.
+        first = one(jnp.zeros((), jnp.int32), jax.tree.map(lambda x: x[0], parts))
+
+        def body(total: Any, indexed: tuple[jax.Array, Any]) -> tuple[Any, None]:
+            return jax.tree.map(jnp.add, total, one(*indexed)), None
+
+        rest_parts = jax.tree.map(lambda x: x[1:], parts)
+        (loss, aux), grads = jax.lax.scan(body, first, (jnp.arange(1, k_steps), rest_parts))[0]
+        mean = lambda tree: jax.tree.map(lambda x: x / k_steps, tree)  # noqa: E731
+        return (loss / k_steps, mean(aux)), mean(grads) if avg else grads
+
+    return merged

@@ -78,15 +78,16 @@ def microbatched(
             extra = (jax.random.fold_in(rest[0], index), *rest[1:]) if rest else ()
             return grad_fn(params, micro, *extra)
 
-        # The first micro-batch starts the sum, so the carry has the gradients' types
-        # (inside shard_map, per-device values) without building zeros of the same kind.
-        first = one(jnp.zeros((), jnp.int32), jax.tree.map(lambda x: x[0], parts))
+        shapes = jax.eval_shape(one, jnp.zeros((), jnp.int32), jax.tree.map(lambda x: x[0], parts))
+        # Inside shard_map the sums are per device; a zero typed like the batch makes the
+        # starting zeros per device too (zeros alone would be replicated).
+        anchor = jnp.sum(jnp.zeros_like(jax.tree.leaves(parts)[0], dtype=jnp.float32))
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype) + anchor.astype(s.dtype), shapes)
 
         def body(total: Any, indexed: tuple[jax.Array, Any]) -> tuple[Any, None]:
             return jax.tree.map(jnp.add, total, one(*indexed)), None
 
-        rest_parts = jax.tree.map(lambda x: x[1:], parts)
-        (loss, aux), grads = jax.lax.scan(body, first, (jnp.arange(1, k_steps), rest_parts))[0]
+        (loss, aux), grads = jax.lax.scan(body, zeros, (jnp.arange(k_steps), parts))[0]
         mean = lambda tree: jax.tree.map(lambda x: x / k_steps, tree)  # noqa: E731
         return (loss / k_steps, mean(aux)), mean(grads) if avg else grads
 

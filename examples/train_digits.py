@@ -1,4 +1,4 @@
-"""Data-parallel training on 8 devices, the Paddle Fleet way, with fleetjax.
+r"""Data-parallel training on 8 devices, the Paddle Fleet way, with fleetjax.
 
 An MLP learns scikit-learn's handwritten digits (8x8 images, shipped with scikit-learn). With no
 accelerator, JAX simulates 8 CPU devices; the global batch is split over them and XLA
@@ -6,23 +6,32 @@ all-reduces the gradients.
 
     python examples/train_digits.py                       # 8 simulated CPU devices
     python examples/train_digits.py --strategy s.prototxt # a Paddle strategy file
+    python examples/train_digits.py --checkpoint-dir ckpt # resumes where a killed run stopped
+    python -m fleetjax.launch --nproc_per_node 2 --cpu_devices_per_proc 4 \
+        examples/train_digits.py                          # 2 processes x 4 devices, same losses
+
+With several processes, each one keeps its own rows of every global batch.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from tqdm import tqdm
 
 import fleetjax
 from fleetjax import fleet
+from fleetjax.checkpoint import CheckpointManager
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -32,10 +41,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--learning-rate", type=float, default=2e-3)
     parser.add_argument("--hidden", type=int, default=256, help="hidden layer width")
     parser.add_argument(
-        "--cpu-devices", type=int, default=8, help="simulated CPU devices (without an accelerator)"
+        "--cpu-devices",
+        type=int,
+        default=int(os.environ.get("JAX_NUM_CPU_DEVICES", 8)),  # fleetjax.launch sets it
+        help="simulated CPU devices per process, without an accelerator (default 8)",
     )
     parser.add_argument("--strategy", help="a DistributedStrategy prototxt file (Paddle's format)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=0, help="print the loss every N steps")
+    parser.add_argument(
+        "--checkpoint-dir", help="save checkpoints here, and resume from the latest one"
+    )
+    parser.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
     return parser.parse_args(argv)
 
 
@@ -73,15 +90,27 @@ def load_data(seed: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     return {"image": x_train, "label": y_train}, {"image": x_test, "label": y_test}
 
 
-def batches(data: dict[str, np.ndarray], batch_size: int, seed: int):
-    """Endless shuffled batches, one epoch after another."""
-    rng = np.random.default_rng(seed)
+def batches(
+    data: dict[str, np.ndarray], batch_size: int, seed: int, start: int = 0
+) -> Iterator[dict[str, np.ndarray]]:
+    """Endless shuffled batches, one epoch after another, from batch number `start` on (the
+    data position that a checkpoint records)."""
     n = len(data["label"])
+    per_epoch = n // batch_size
+    position = start
     while True:
-        order = rng.permutation(n)
-        for start in range(0, n - batch_size + 1, batch_size):
-            rows = order[start : start + batch_size]
-            yield {k: v[rows] for k, v in data.items()}
+        epoch, index = divmod(position, per_epoch)
+        order = np.random.default_rng([seed, epoch]).permutation(n)
+        rows = order[index * batch_size : (index + 1) * batch_size]
+        yield {k: v[rows] for k, v in data.items()}
+        position += 1
+
+
+def process_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """This process's rows of a global batch: the step joins all processes' rows in order."""
+    rows = len(batch["label"]) // jax.process_count()
+    start = jax.process_index() * rows
+    return {k: v[start : start + rows] for k, v in batch.items()}
 
 
 def main(args: argparse.Namespace) -> dict[str, float]:
@@ -97,31 +126,55 @@ def main(args: argparse.Namespace) -> dict[str, float]:
     step = fleetjax.make_train_step(loss_fn, optimizer, has_aux=True)
     state = step.init(init_params(jax.random.key(args.seed), [64, args.hidden, args.hidden, 10]))
 
-    data = batches(train, args.batch_size, args.seed)
-    state, metrics = step(state, next(data))  # compiles
-    jax.block_until_ready(metrics)
+    manager, position = None, 0  # position: batches drawn so far
+    if args.checkpoint_dir:
+        manager = CheckpointManager(args.checkpoint_dir, save_interval_steps=args.save_every)
+        if manager.latest_step() is not None:
+            state, extra = manager.restore(state)
+            position = extra["data_position"]
+            print(f"resumed from {manager.directory} at step {manager.latest_step()}")
+    done = int(state.step)
+    data = batches(train, args.batch_size, args.seed, start=position)
     start = time.perf_counter()
-    with tqdm(range(1, args.steps), desc="training", unit="step") as progress:
-        for i in progress:
-            state, metrics = step(state, next(data))
-            if i % 20 == 0 or i == args.steps - 1:
-                progress.set_postfix(loss=f"{float(metrics['loss']):.4f}")
+    progress = tqdm(
+        range(done, args.steps), desc="training", unit="step", disable=jax.process_index() != 0
+    )
+    for i in progress:
+        state, metrics = step(state, process_rows(next(data)))
+        position += 1
+        if i == done:  # the first step compiles: time the others
+            jax.block_until_ready(metrics)
+            start = time.perf_counter()
+        if (i + 1) % 20 == 0 or i + 1 == args.steps:
+            progress.set_postfix(loss=f"{float(metrics['loss']):.4f}")
+        if args.log_every and (i + 1) % args.log_every == 0:
+            progress.write(f"step {i + 1}: loss {float(metrics['loss']):.6f}")
+        if manager is not None:
+            manager.save(i + 1, state, {"data_position": position}, force=i + 1 == args.steps)
+    progress.close()
+    if manager is not None:
+        manager.close()
+    if done >= args.steps:
+        print(f"already trained {done} steps (--steps {args.steps}); nothing to do")
+        return {}
     jax.block_until_ready(metrics)
     elapsed = time.perf_counter() - start
 
+    params = multihost_utils.process_allgather(state.params, tiled=True)
     test_accuracy = float(
-        jnp.mean(jnp.argmax(logits_fn(state.params, test["image"]), -1) == test["label"])
+        jnp.mean(jnp.argmax(logits_fn(params, test["image"]), -1) == test["label"])
     )
+    timed = args.steps - done - 1
     summary = {
         "final_loss": float(metrics["loss"]),
         "test_accuracy": test_accuracy,
-        "samples_per_second": (args.steps - 1) * args.batch_size / elapsed,
+        "samples_per_second": timed * args.batch_size / elapsed if timed else float("nan"),
         "devices": len(step.mesh.devices.flat),
     }
     platform = step.mesh.devices.flat[0].platform
     print(
         f"\nfinal loss {summary['final_loss']:.4f} | test accuracy {test_accuracy:.2%} | "
-        f"{summary['samples_per_second']:,.0f} samples/s over {args.steps - 1} steps | "
+        f"{summary['samples_per_second']:,.0f} samples/s over {timed} steps | "
         f"{summary['devices']} {platform} devices, mesh {dict(step.mesh.shape)}"
     )
     return summary

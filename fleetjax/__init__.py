@@ -11,10 +11,11 @@ state = step.init(params)
 state, metrics = step(state, batch)
 """
 
-from fleetjax import fleet, mesh, optimizers, transforms
+from fleetjax import checkpoint, export, fleet, mesh, optimizers, transforms
 from fleetjax._config import UnknownFieldError
 from fleetjax._prototxt import PrototxtError
 from fleetjax._support import StrategyWarning
+from fleetjax.checkpoint import CheckpointManager
 from fleetjax.mesh import build_mesh
 from fleetjax.optimizers import DistributedOptimizer, distributed_optimizer
 from fleetjax.step import TrainState, TrainStep, make_train_step
@@ -32,6 +33,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BuildStrategy",
+    "CheckpointManager",
     "DistributedOptimizer",
     "DistributedStrategy",
     "ExecutionStrategy",
@@ -42,8 +44,10 @@ __all__ = [
     "TrainStep",
     "UnknownFieldError",
     "build_mesh",
+    "checkpoint",
     "checkpoint_name",
     "distributed_optimizer",
+    "export",
     "fleet",
     "fp16_guard",
     "make_train_step",

@@ -26,6 +26,12 @@ def loss_fn(params, batch):
 
 
 def main() -> None:
+    if "WORKER_SELF_INIT_RANK" in os.environ:  # as under srun/mpirun: no PADDLE_* variables
+        jax.distributed.initialize(
+            coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+            num_processes=2,
+            process_id=int(os.environ["WORKER_SELF_INIT_RANK"]),
+        )
     fleet.init(is_collective=True)
     rank, count = fleet.worker_index(), fleet.worker_num()
     local = int(os.environ["WORKER_CPU_DEVICES"])

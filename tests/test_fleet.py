@@ -161,6 +161,21 @@ class TestFleet:
             _ = fleet.nope
 
 
+def test_facade_saves_and_loads(fresh_fleet, tmp_path):
+    import jax.numpy as jnp
+
+    fresh_fleet.init()
+    state = {"w": jnp.arange(4.0), "step": jnp.int32(3)}
+    fresh_fleet.save_persistables(tmp_path / "ckpt", state)
+    restored = fresh_fleet.load_persistables(tmp_path / "ckpt", state)
+    assert restored["w"].tolist() == [0.0, 1.0, 2.0, 3.0] and int(restored["step"]) == 3
+    fresh_fleet.save_inference_model(
+        tmp_path / "model", lambda p, x: x @ p["w"], {"w": jnp.ones((4, 2))}, [jnp.ones((3, 4))]
+    )
+    model = fresh_fleet.load_inference_model(tmp_path / "model")
+    assert model(jnp.ones((5, 4))).tolist() == [[4.0, 4.0]] * 5
+
+
 class TestUtil:
     def test_reductions_in_one_process(self, fresh_fleet):
         util = fresh_fleet.init().util

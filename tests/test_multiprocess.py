@@ -1,10 +1,13 @@
-"""Two worker processes joined by fleet.init() from PADDLE_* variables (gloo on CPU)."""
+"""Two worker processes joined by fleet.init() (gloo on CPU): from PADDLE_* variables, or
+after the script called jax.distributed.initialize() itself (as under srun or mpirun)."""
 
 import os
 import pathlib
 import socket
 import subprocess
 import sys
+
+import pytest
 
 WORKER = pathlib.Path(__file__).with_name("multiprocess_worker.py")
 
@@ -19,20 +22,22 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
-def test_two_processes_train_data_parallel():
+@pytest.mark.parametrize("joined_by", ["paddle_variables", "jax_itself"])
+def test_two_processes_train_data_parallel(joined_by):
     endpoints = [f"127.0.0.1:{port}" for port in _free_ports(2)]
     procs = []
+    base = {k: v for k, v in os.environ.items() if not k.startswith("PADDLE_")}
     for rank, endpoint in enumerate(endpoints):
-        env = {
-            **os.environ,
-            "XLA_FLAGS": "",
-            "JAX_PLATFORMS": "cpu",
-            "WORKER_CPU_DEVICES": "4",
-            "PADDLE_TRAINER_ID": str(rank),
-            "PADDLE_TRAINERS_NUM": "2",
-            "PADDLE_TRAINER_ENDPOINTS": ",".join(endpoints),
-            "PADDLE_CURRENT_ENDPOINT": endpoint,
-        }
+        env = {**base, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "WORKER_CPU_DEVICES": "4"}
+        if joined_by == "paddle_variables":
+            env |= {
+                "PADDLE_TRAINER_ID": str(rank),
+                "PADDLE_TRAINERS_NUM": "2",
+                "PADDLE_TRAINER_ENDPOINTS": ",".join(endpoints),
+                "PADDLE_CURRENT_ENDPOINT": endpoint,
+            }
+        else:
+            env |= {"JAX_COORDINATOR_ADDRESS": endpoints[0], "WORKER_SELF_INIT_RANK": str(rank)}
         procs.append(
             subprocess.Popen(
                 [sys.executable, str(WORKER)],

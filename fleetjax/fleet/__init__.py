@@ -10,6 +10,7 @@ from fleetjax.fleet import role_maker
 from fleetjax.fleet._fleet import Fleet
 from fleetjax.fleet._util import UtilBase
 from fleetjax.fleet.role_maker import (
+    JaxProcessRoleMaker,
     PaddleCloudRoleMaker,
     Role,
     RoleMakerBase,
@@ -32,6 +33,10 @@ server_index = fleet.server_index
 server_endpoints = fleet.server_endpoints
 is_server = fleet.is_server
 barrier_worker = fleet.barrier_worker
+save_persistables = fleet.save_persistables
+load_persistables = fleet.load_persistables
+save_inference_model = fleet.save_inference_model
+load_inference_model = fleet.load_inference_model
 init_worker = fleet.init_worker
 init_server = fleet.init_server
 run_server = fleet.run_server
@@ -50,6 +55,7 @@ __all__ = [
     "DistributedStrategy",
     "ExecutionStrategy",
     "Fleet",
+    "JaxProcessRoleMaker",
     "PaddleCloudRoleMaker",
     "Role",
     "RoleMakerBase",
@@ -65,9 +71,13 @@ __all__ = [
     "is_first_worker",
     "is_server",
     "is_worker",
+    "load_inference_model",
+    "load_persistables",
     "node_num",
     "role_maker",
     "run_server",
+    "save_inference_model",
+    "save_persistables",
     "server_endpoints",
     "server_index",
     "server_num",

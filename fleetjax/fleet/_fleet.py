@@ -10,8 +10,9 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
+from fleetjax import checkpoint, export
 from fleetjax.fleet._util import UtilBase
-from fleetjax.fleet.role_maker import PaddleCloudRoleMaker, RoleMakerBase
+from fleetjax.fleet.role_maker import JaxProcessRoleMaker, PaddleCloudRoleMaker, RoleMakerBase
 from fleetjax.mesh import mesh_from_strategy
 from fleetjax.optimizers import DistributedOptimizer, distributed_optimizer
 from fleetjax.strategy import DistributedStrategy, Strategy
@@ -49,7 +50,9 @@ class Fleet:
         """Set up this process: its role, `jax.distributed` if several processes, the mesh.
 
         Args:
-          role_maker: default `PaddleCloudRoleMaker()` (reads the `PADDLE_*` variables).
+          role_maker: default `PaddleCloudRoleMaker()` (reads the `PADDLE_*` variables), or,
+            without them, `JaxProcessRoleMaker()` if the script already called
+            `jax.distributed.initialize()` (SLURM, Open MPI).
           is_collective: must be True (parameter-server mode is not supported yet).
           strategy: a `DistributedStrategy` or `Strategy` (copied; default plain DP). Its
             degrees shape the mesh.
@@ -65,7 +68,9 @@ class Fleet:
         if not is_collective:
             raise NotImplementedError(_PS_ERROR.format("init(is_collective=False)"))
         if role_maker is None:
-            role_maker = PaddleCloudRoleMaker(is_collective=True)
+            from_jax = "PADDLE_TRAINER_ENDPOINTS" not in os.environ
+            from_jax = from_jax and jax.distributed.is_initialized()
+            role_maker = JaxProcessRoleMaker() if from_jax else PaddleCloudRoleMaker()
         if not isinstance(role_maker, RoleMakerBase):
             raise TypeError(
                 f"role_maker must be a fleetjax role maker, got {type(role_maker).__name__}"
@@ -173,6 +178,28 @@ class Fleet:
         self._checked_role()
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("fleetjax.barrier_worker")
+
+    # -- saving ---------------------------------------------------------------------------
+    def save_persistables(self, dirname: str | os.PathLike[str], state: object) -> None:
+        """Save `state` (e.g. a `TrainState`) to `dirname`, atomically replacing the last save
+        (Paddle's `save_persistables`, without its executor and program arguments).
+        See `fleetjax.checkpoint`."""
+        checkpoint.save_persistables(dirname, state)
+
+    def load_persistables(self, dirname: str | os.PathLike[str], target: object) -> object:
+        """The state last saved in `dirname`, placed like `target` (any mesh)."""
+        return checkpoint.load_persistables(dirname, target)
+
+    def save_inference_model(
+        self, dirname: str | os.PathLike[str], fn, params, example_inputs, **kwargs
+    ) -> None:
+        """Export `fn(params, *inputs)` with `jax.export` into `dirname` (Paddle's
+        `save_inference_model`); see `fleetjax.export.save_inference_model`."""
+        export.save_inference_model(dirname, fn, params, example_inputs, **kwargs)
+
+    def load_inference_model(self, dirname: str | os.PathLike[str]) -> export.InferenceModel:
+        """The exported model in `dirname`, callable with plain JAX."""
+        return export.load_inference_model(dirname)
 
     # -- parameter-server runtime: not supported -------------------------------------------
     def init_worker(self, *args: object, **kwargs: object) -> None:

@@ -10,7 +10,13 @@ import enum
 import os
 from collections.abc import Mapping, Sequence
 
-__all__ = ["PaddleCloudRoleMaker", "Role", "RoleMakerBase", "UserDefinedRoleMaker"]
+__all__ = [
+    "JaxProcessRoleMaker",
+    "PaddleCloudRoleMaker",
+    "Role",
+    "RoleMakerBase",
+    "UserDefinedRoleMaker",
+]
 
 _LOCAL_ENDPOINT = "127.0.0.1:6170"  # Paddle's endpoint for a single, non-distributed trainer
 _PS_ERROR = (
@@ -169,3 +175,37 @@ class UserDefinedRoleMaker(RoleMakerBase):
                 f"worker_num={worker_num} but worker_endpoints lists {len(endpoints)} endpoints"
             )
         super().__init__(is_collective, current_id, endpoints, None, source="UserDefinedRoleMaker")
+
+
+class JaxProcessRoleMaker(RoleMakerBase):
+    """The role of a process that joined JAX's runtime before `fleet.init` (the script called
+    `jax.distributed.initialize()`, which found the cluster itself: SLURM, Open MPI, ...).
+
+    The worker index and count are JAX's process index and count. Other processes' endpoints
+    are not known, so `worker_endpoints` is empty.
+    """
+
+    def __init__(self) -> None:
+        import jax  # here: only this role maker needs the JAX runtime
+
+        if not jax.distributed.is_initialized():
+            raise RuntimeError(
+                "JaxProcessRoleMaker needs jax.distributed.initialize() to have been called"
+            )
+        self.is_collective = True
+        self.role = Role.WORKER
+        self.worker_index = jax.process_index()
+        self.worker_endpoints = []
+        self.current_endpoint = None
+        self._worker_num = jax.process_count()
+
+    @property
+    def worker_num(self) -> int:
+        return self._worker_num
+
+    @property
+    def node_num(self) -> int:
+        raise RuntimeError(
+            "the node count is unknown when the cluster set up jax.distributed itself; "
+            "jax.process_count() is the process count"
+        )

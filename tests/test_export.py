@@ -1,0 +1,178 @@
+"""fleetjax.export: an exported model, loaded by fleetjax or by plain JAX without any fleetjax
+or model code, gives the outputs of the original function."""
+
+import itertools
+import os
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+import fleetjax
+from fleetjax import export
+from fleetjax.export import load_inference_model, save_inference_model
+from fleetjax.mesh import build_mesh
+
+HERE = pathlib.Path(__file__).parent
+
+
+def logits_fn(params, images):
+    h = images
+    for layer in params[:-1]:
+        h = jax.nn.relu(h @ layer["w"].astype(h.dtype) + layer["b"])
+    return h @ params[-1]["w"] + params[-1]["b"]
+
+
+def make_params(sizes=(64, 32, 10), seed=0):
+    rng = np.random.RandomState(seed)
+    return [
+        {
+            "w": rng.randn(n_in, n_out).astype(np.float32) / 8,
+            "b": rng.randn(n_out).astype(np.float32),
+        }
+        for n_in, n_out in itertools.pairwise(sizes)
+    ]
+
+
+def images(rows, seed=1):
+    return np.random.RandomState(seed).rand(rows, 64).astype(np.float32)
+
+
+def trained_params():
+    """Parameters from a data-parallel step on 8 devices (replicated global arrays)."""
+
+    def loss_fn(params, batch):
+        logits = logits_fn(params, batch["image"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+    step = fleetjax.make_train_step(loss_fn, optax.sgd(0.1))
+    state = step.init(make_params())
+    batch = {"image": images(32), "label": np.arange(32, dtype=np.int32) % 10}
+    state, _ = step(state, batch)
+    return state.params
+
+
+def test_the_exported_model_gives_the_same_outputs(tmp_path):
+    params = trained_params()
+    save_inference_model(tmp_path, logits_fn, params, (images(16),))
+    model = load_inference_model(tmp_path)
+    for rows in (16, 5):  # any batch size: the leading dimension is symbolic
+        np.testing.assert_allclose(
+            model(images(rows)), logits_fn(params, images(rows)), rtol=1e-6, atol=1e-6
+        )
+    assert str(model.exported.in_avals[-1]) == "float32[batch,64]"
+    assert model.exported.platforms == ("cpu",)
+    with np.load(tmp_path / export.PARAMS_FILE) as f:
+        assert sorted(f.files) == ["0:[0]['b']", "1:[0]['w']", "2:[1]['b']", "3:[1]['w']"]
+
+
+def _documented_loader() -> str:
+    """The plain-JAX loader from fleetjax.export's docstring."""
+    text = export.__doc__.split("with plain JAX and numpy it is:")[1]
+    return "\n".join(line[4:] for line in text.splitlines() if line.startswith("    "))
+
+
+def test_plain_jax_runs_the_export(tmp_path):
+    params = trained_params()
+    save_inference_model(tmp_path / "model", logits_fn, params, (images(16),))
+    np.save(tmp_path / "inputs.npy", images(7))
+    script = "\n".join(
+        [
+            "import sys",
+            "import jax",
+            "import numpy as np",
+            f"dirname = {str(tmp_path / 'model')!r}",
+            f"inputs = [np.load({str(tmp_path / 'inputs.npy')!r})]",
+            _documented_loader(),
+            f"np.save({str(tmp_path / 'outputs.npy')!r}, np.asarray(outputs))",
+            "assert not [m for m in sys.modules if m.startswith('fleetjax')]",
+        ]
+    )
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=tmp_path,  # not the repository: nothing of it is importable
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    np.testing.assert_allclose(
+        np.load(tmp_path / "outputs.npy"), logits_fn(params, images(7)), rtol=1e-6, atol=1e-6
+    )
+
+
+def test_bfloat16_parameters_sharded_over_a_mesh(tmp_path):
+    mesh = build_mesh(dp=2, mp=4)
+    params = make_params()
+    params[0]["w"] = jax.device_put(
+        jnp.asarray(params[0]["w"], jnp.bfloat16), NamedSharding(mesh, PartitionSpec(None, "mp"))
+    )
+    params[1]["w"] = jax.device_put(params[1]["w"], NamedSharding(mesh, PartitionSpec("mp")))
+    save_inference_model(tmp_path, logits_fn, params, (images(8),))
+    model = load_inference_model(tmp_path)
+    assert model.params[1].dtype == np.uint16  # stored as its bits; bit-cast inside
+    # The reference computes on the mesh, the model on one device: rounding may differ.
+    np.testing.assert_allclose(model(images(8)), logits_fn(params, images(8)), rtol=1e-5, atol=1e-6)
+
+
+def test_fixed_shapes_and_other_platforms(tmp_path):
+    params = make_params()
+    save_inference_model(
+        tmp_path, logits_fn, params, [images(4)], dynamic_batch=False, platforms=("cpu", "cuda")
+    )
+    model = load_inference_model(tmp_path)
+    assert model.exported.platforms == ("cpu", "cuda")
+    assert str(model.exported.in_avals[-1]) == "float32[4,64]"
+    np.testing.assert_allclose(model(images(4)), logits_fn(params, images(4)), rtol=1e-6)
+    with pytest.raises(ValueError, match=re.escape("expected (4, 64) and called with (5, 64)")):
+        model(images(5))
+
+
+def test_errors(tmp_path):
+    params = make_params()
+    with pytest.raises(
+        TypeError,
+        match=r"^example_inputs must be a tuple or list of fn's positional inputs after params, "
+        r"got ndarray$",
+    ):
+        save_inference_model(tmp_path, logits_fn, params, images(4))
+    message = (
+        "example_inputs[1] is a scalar, which has no batch dimension; pass dynamic_batch=False "
+        "to export fixed shapes"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        save_inference_model(
+            tmp_path, lambda p, x, t: logits_fn(p, x) / t, params, (images(4), 2.0)
+        )
+    assert not pathlib.Path(tmp_path, export.MODEL_FILE).exists()
+
+
+@pytest.mark.slow
+def test_parameters_split_over_processes(tmp_path):
+    """2 processes x 2 devices (fleetjax.launch), with a parameter no process holds whole."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = subprocess.run(
+        [sys.executable, "-m", "fleetjax.launch", "--nproc_per_node", "2",
+         "--cpu_devices_per_proc", "2", "--start_port", str(port), "--log_dir",
+         str(tmp_path / "log"), str(HERE / "export_worker.py"), str(tmp_path / "model")],
+        env={**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "exported" in run.stdout
+    model = load_inference_model(tmp_path / "model")
+    x = images(3)[:, :4]
+    w = np.arange(32, dtype=np.float32).reshape(4, 8) / 32
+    np.testing.assert_allclose(model(x), np.tanh(x @ w), rtol=1e-6)

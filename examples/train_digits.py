@@ -6,6 +6,8 @@ all-reduces the gradients.
 
     python examples/train_digits.py                       # 8 simulated CPU devices
     python examples/train_digits.py --strategy s.prototxt # a Paddle strategy file
+    python examples/train_digits.py --amp --recompute     # strategy switches as flags
+    python examples/train_digits.py --optimizer momentum --dgc
     python examples/train_digits.py --checkpoint-dir ckpt # resumes where a killed run stopped
     python -m fleetjax.launch --nproc_per_node 2 --cpu_devices_per_proc 4 \
         examples/train_digits.py                          # 2 processes x 4 devices, same losses
@@ -47,6 +49,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="simulated CPU devices per process, without an accelerator (default 8)",
     )
     parser.add_argument("--strategy", help="a DistributedStrategy prototxt file (Paddle's format)")
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="adamw",
+        help="Paddle's optimizer to start from (lars and dgc rebuild a momentum, lamb an adam)",
+    )
+    switches = parser.add_argument_group("strategy switches (set on top of --strategy)")
+    switches.add_argument("--amp", choices=("float16", "bfloat16"), nargs="?", const="bfloat16")
+    switches.add_argument("--recompute", action="store_true", help="recompute the hidden layers")
+    switches.add_argument("--gradient-merge", type=int, metavar="K", help="merge K steps' grads")
+    switches.add_argument("--fp16-allreduce", action="store_true")
+    for name in ("lars", "lamb", "dgc"):
+        switches.add_argument(f"--{name}", action="store_true")
+    switches.add_argument("--localsgd", type=int, metavar="K", help="average every K steps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=0, help="print the loss every N steps")
     parser.add_argument(
@@ -54,6 +70,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
     return parser.parse_args(argv)
+
+
+OPTIMIZERS = {
+    "adamw": lambda lr: fleetjax.optimizers.adamw(lr, weight_decay=1e-4),
+    "adam": fleetjax.optimizers.adam,
+    "momentum": lambda lr: fleetjax.optimizers.momentum(lr * 25, 0.9),
+    "sgd": lambda lr: fleetjax.optimizers.sgd(lr * 50),
+}
+
+
+def strategy_from(args: argparse.Namespace) -> fleetjax.DistributedStrategy:
+    """The strategy file (or Paddle's defaults) with the command line's switches on top."""
+    s = fleetjax.DistributedStrategy()
+    if args.strategy:
+        s.load_from_prototxt(args.strategy)
+    if args.amp:
+        s.amp, s.amp_configs = True, {"dtype": args.amp}
+    if args.recompute:
+        s.recompute, s.recompute_configs = True, {"checkpoints": ["hidden"]}
+    if args.gradient_merge:
+        s.gradient_merge, s.gradient_merge_configs = True, {"k_steps": args.gradient_merge}
+    if args.localsgd:
+        s.localsgd, s.localsgd_configs = True, {"k_steps": args.localsgd}
+    s.fp16_allreduce |= args.fp16_allreduce
+    s.lars |= args.lars
+    s.lamb |= args.lamb
+    s.dgc |= args.dgc
+    return s
 
 
 def init_params(key: jax.Array, sizes: list[int]) -> list[dict[str, jax.Array]]:
@@ -67,10 +111,16 @@ def init_params(key: jax.Array, sizes: list[int]) -> list[dict[str, jax.Array]]:
     ]
 
 
+def hidden_layer(layer: dict[str, jax.Array], h: jax.Array) -> jax.Array:
+    pre = fleetjax.checkpoint_name(h @ layer["w"] + layer["b"], "hidden")
+    return jax.nn.relu(pre)
+
+
 def logits_fn(params: list[dict[str, jax.Array]], images: jax.Array) -> jax.Array:
     h = images
     for layer in params[:-1]:
-        h = jax.nn.relu(h @ layer["w"] + layer["b"])
+        # Recompute marks each layer; without the recompute switch the mark does nothing.
+        h = fleetjax.recompute(hidden_layer)(layer, h)
     return h @ params[-1]["w"] + params[-1]["b"]
 
 
@@ -114,15 +164,10 @@ def process_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def main(args: argparse.Namespace) -> dict[str, float]:
-    strategy = (
-        fleetjax.DistributedStrategy.from_prototxt(args.strategy)
-        if args.strategy
-        else fleetjax.DistributedStrategy()
-    )
-    fleet.init(is_collective=True, strategy=strategy)
+    fleet.init(is_collective=True, strategy=strategy_from(args))
     train, test = load_data(args.seed)
 
-    optimizer = fleet.distributed_optimizer(optax.adamw(args.learning_rate, weight_decay=1e-4))
+    optimizer = fleet.distributed_optimizer(OPTIMIZERS[args.optimizer](args.learning_rate))
     step = fleetjax.make_train_step(loss_fn, optimizer, has_aux=True)
     state = step.init(init_params(jax.random.key(args.seed), [64, args.hidden, args.hidden, 10]))
 
@@ -161,6 +206,8 @@ def main(args: argparse.Namespace) -> dict[str, float]:
     elapsed = time.perf_counter() - start
 
     params = multihost_utils.process_allgather(state.params, tiled=True)
+    if step.plan.replica_params:  # LocalSGD: every replica has its own; evaluate replica 0's
+        params = jax.tree.map(lambda x: x[0], params)
     test_accuracy = float(
         jnp.mean(jnp.argmax(logits_fn(params, test["image"]), -1) == test["label"])
     )

@@ -52,6 +52,10 @@ class Plan:
     amp: Amp | None = None
     gradient_merge: GradientMerge | None = None
     allreduce_dtype: str | None = None  # fp16_allreduce: the dtype gradients are summed in
+    # DGC and LocalSGD: the optimizer runs on each data-parallel replica's own gradient and
+    # state, inside shard_map, and does its own communication.
+    per_replica: bool = False
+    replica_params: bool = False  # LocalSGD: each replica's parameters drift apart too
 
 
 def _recompute(switch: str, config, where: str, shape: tuple[int, ...] = ()) -> Recompute:
@@ -155,6 +159,14 @@ def read_plan(strategy: DistributedStrategy | Strategy) -> Plan:
             else None,
         )
     recompute = strategy.recompute_configs
+    per_replica = [
+        name for name in ("dgc", "localsgd", "adaptive_localsgd") if getattr(strategy, name)
+    ]
+    if per_replica and strategy.fp16_allreduce:
+        raise ValueError(
+            f"fp16_allreduce and {per_replica[0]} cannot be combined: {per_replica[0]} does "
+            "its own communication, with no dense gradient all-reduce to run in half precision"
+        )
     return Plan(
         recompute=_recompute(
             "DistributedStrategy.recompute",
@@ -167,4 +179,6 @@ def read_plan(strategy: DistributedStrategy | Strategy) -> Plan:
         amp=_distributed_amp(strategy),
         gradient_merge=_distributed_merge(strategy),
         allreduce_dtype=strategy.fp16_allreduce_dtype if strategy.fp16_allreduce else None,
+        per_replica=bool(per_replica),
+        replica_params=bool(per_replica) and per_replica[0] != "dgc",
     )

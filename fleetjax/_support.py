@@ -31,11 +31,6 @@ def warn_once(message: str) -> None:
 
 # Switches that change the computation; each is implemented by its own transform.
 _NOT_YET_DISTRIBUTED = {
-    "localsgd": "LocalSGD",
-    "adaptive_localsgd": "adaptive LocalSGD",
-    "dgc": "deep gradient compression",
-    "lars": "the LARS optimizer",
-    "lamb": "the LAMB optimizer",
     "pipeline": "pipeline parallelism",
     "sharding": "ZeRO sharding",
     "tensor_parallel": "tensor parallelism",

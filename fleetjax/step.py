@@ -9,6 +9,10 @@ What the strategy turns on is composed here, in this order (see `_plan.Plan`):
     loss --amp.autocast--> --x loss scale--> value_and_grad (recompute marks inside)
          --gradient_merge.microbatched (in_step)--> --grad_allreduce.data_parallel (fp16)-->
          unscale, finite check --> optimizer (gradient_merge.across_calls) or skip
+
+Optimizers that do their own communication (DGC, LocalSGD) run per data-parallel replica:
+the whole update is one `shard_map` over the data axes, each device computing its local
+gradient and updating its own optimizer state, stored stacked on a leading replica axis.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from fleetjax.mesh import (
     replicated,
     strategy_degrees,
 )
-from fleetjax.optimizers import DistributedOptimizer
+from fleetjax.optimizers import DistributedOptimizer, optimizer_for_strategy
 from fleetjax.strategy import DistributedStrategy, Strategy
 from fleetjax.transforms import amp, grad_allreduce, gradient_merge, recompute
 
@@ -46,8 +50,9 @@ class TrainState(NamedTuple):
 
     Attributes:
       step: the number of steps taken (int32).
-      params: the parameters (float32 master weights under AMP).
-      opt_state: the optimizer state.
+      params: the parameters (float32 master weights under AMP). Under LocalSGD each
+        data-parallel replica trains its own: they are stacked on a leading replica axis.
+      opt_state: the optimizer state (stacked per replica under DGC and LocalSGD).
       rng: raw key data (uint32[2]); step `i` gives the loss `fold_in(rng, i)`.
       loss_scale: AMP's dynamic loss-scaling state, if AMP scales the loss.
     """
@@ -88,22 +93,52 @@ class TrainStep:
             optimizer = gradient_merge.across_calls(optimizer, merge.k_steps, merge.avg)
         self.optimizer = optimizer
         self.batch_sharding = batch_sharding(mesh)
-        self.state_sharding = replicated(mesh)
-        self._step = jax.jit(
-            self._update,
-            in_shardings=(self.state_sharding, self.batch_sharding),
-            out_shardings=(self.state_sharding, replicated(mesh)),
-            donate_argnums=0,
+        self._axes = data_axes(mesh)
+        self._replicas = data_parallel_size(mesh)
+        self.state_sharding: TrainState | None = None  # known once a state is seen
+        self._step: Any = None
+        # XLA:CPU runs simulated devices' collectives on a shared thread pool; with several
+        # steps queued, device threads of a later step can take the pool while an all-reduce of
+        # an earlier one waits for its last participant, and XLA aborts after 40 s (jaxlib
+        # 0.10.2, 8 devices on 2 cores). So on CPU one step runs at a time.
+        self._one_at_a_time = mesh.devices.flat[0].platform == "cpu" and mesh.devices.size > 1
+
+    def _state_shardings(self, state: Any) -> TrainState:
+        """Where each part of a state (real or abstract) lives."""
+        rep = replicated(self.mesh)
+        stacked = NamedSharding(self.mesh, PartitionSpec(self._axes))
+        return TrainState(
+            step=rep,
+            params=stacked if self.plan.replica_params else rep,
+            opt_state=stacked if self.plan.per_replica else rep,
+            rng=rep,
+            loss_scale=None if state.loss_scale is None else rep,
         )
-        self._init = jax.jit(self._initial_state, out_shardings=self.state_sharding)
+
+    def _compiled_step(self, state: Any) -> Any:
+        if self._step is None:
+            self.state_sharding = self._state_shardings(state)
+            self._step = jax.jit(
+                self._update,
+                in_shardings=(self.state_sharding, self.batch_sharding),
+                out_shardings=(self.state_sharding, replicated(self.mesh)),
+                donate_argnums=0,
+            )
+        return self._step
 
     # -- the pure step ------------------------------------------------------------------------
     def _initial_state(self, params: Any, rng: jax.Array) -> TrainState:
         scaling = self.plan.amp.loss_scaling if self.plan.amp else None
         loss_scale = amp.init_loss_scale(scaling.init_loss_scaling) if scaling else None
-        return TrainState(
-            jnp.zeros((), jnp.int32), params, self.optimizer.init(params), rng, loss_scale
-        )
+        opt_state = self.optimizer.init(params)
+        if self.plan.per_replica:  # every replica starts from the same state
+            opt_state = self._stack(opt_state)
+        if self.plan.replica_params:
+            params = self._stack(params)
+        return TrainState(jnp.zeros((), jnp.int32), params, opt_state, rng, loss_scale)
+
+    def _stack(self, tree: Any) -> Any:
+        return jax.tree.map(lambda x: jnp.broadcast_to(x, (self._replicas, *x.shape)), tree)
 
     def _loss(self, scale: jax.Array | None) -> Callable[..., tuple[jax.Array, Any]]:
         """`(params, batch, *rest) -> (loss to differentiate, (loss, aux))`."""
@@ -117,21 +152,24 @@ class TrainStep:
 
         return scaled
 
-    def _grad_fn(self, scale: jax.Array | None) -> GradFn:
+    def _grad_fn(self, scale: jax.Array | None, local: bool = False) -> GradFn:
+        """The gradient function: data parallel over the mesh, or, with `local`, of one
+        device's own rows (inside the per-replica shard_map)."""
         value_and_grad = jax.value_and_grad(self._loss(scale), has_aux=True)
 
         def grad_fn(params: Any, batch: Any, *rest: Any) -> tuple[tuple[jax.Array, Any], Any]:
             (_, (loss, aux)), grads = value_and_grad(params, batch, *rest)
             return (loss, aux), grads
 
-        plan, axes = self.plan, data_axes(self.mesh)
+        plan, axes = self.plan, self._axes
         explicit = plan.allreduce_dtype is not None
         if plan.gradient_merge is not None and plan.gradient_merge.in_step:
-            # Inside the explicit reduction each device splits its own rows.
-            micro = None if explicit else NamedSharding(self.mesh, PartitionSpec(None, axes))
+            # Inside a shard_map each device splits its own rows.
+            inside = explicit or local
+            micro = None if inside else NamedSharding(self.mesh, PartitionSpec(None, axes))
             merge = plan.gradient_merge
             grad_fn = gradient_merge.microbatched(grad_fn, merge.k_steps, merge.avg, micro)
-        if explicit:
+        if explicit and not local:
             reducer = grad_allreduce.mean_in(jnp.dtype(plan.allreduce_dtype))
             grad_fn = grad_allreduce.data_parallel(grad_fn, self.mesh, axes, reducer)
         return grad_fn
@@ -148,28 +186,34 @@ class TrainStep:
             replicas=data_parallel_size(self.mesh),
         )
 
-    def _update(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
-        rest = (jax.random.fold_in(state.rng, state.step),) if self.has_rng else ()
-        scale = None if state.loss_scale is None else state.loss_scale.loss_scale
-        with self._recompute_scope():
-            (loss, aux), grads = self._grad_fn(scale)(state.params, batch, *rest)
-        metrics = {"loss": loss, **aux}
+    def _apply(
+        self,
+        params: Any,
+        opt_state: Any,
+        loss_scale: amp.LossScaleState | None,
+        loss: jax.Array,
+        grads: Any,
+        agree: Callable[[jax.Array], jax.Array],
+    ) -> tuple[Any, Any, amp.LossScaleState | None, dict[str, Any]]:
+        """The optimizer step on `grads`, or under loss scaling the unscale, the finite check
+        (`agree` makes all replicas decide alike) and the step or its skip.
 
-        def apply(grads: Any) -> tuple[Any, Any]:
-            updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-            return optax.apply_updates(state.params, updates), opt_state
+        Returns (params, opt_state, loss_scale, extra metrics)."""
+        optimizer = optax.with_extra_args_support(self.optimizer)
 
-        if state.loss_scale is None:
-            params, opt_state = apply(grads)
-            return TrainState(state.step + 1, params, opt_state, state.rng), metrics
+        def step(grads: Any) -> tuple[Any, Any]:
+            # `value` is the loss, which Adaptive LocalSGD adapts its interval to.
+            updates, new_opt = optimizer.update(grads, opt_state, params, value=loss)
+            return optax.apply_updates(params, updates), new_opt
+
+        if loss_scale is None:
+            return (*step(grads), None, {})
+        scale = loss_scale.loss_scale
         grads = jax.tree.map(lambda g: g / scale.astype(g.dtype), grads)
-        finite = amp.all_finite(grads)
+        finite = agree(amp.all_finite(grads))
         # A non-finite gradient skips the whole update: params and optimizer state unchanged.
-        params, opt_state = jax.lax.cond(
-            finite, apply, lambda _: (state.params, state.opt_state), grads
-        )
+        new_params, new_opt = jax.lax.cond(finite, step, lambda _: (params, opt_state), grads)
         scaling = self.plan.amp.loss_scaling
-        loss_scale = state.loss_scale
         if scaling.dynamic:
             loss_scale = amp.update_loss_scale(
                 loss_scale,
@@ -179,24 +223,85 @@ class TrainStep:
                 incr_ratio=scaling.incr_ratio,
                 decr_ratio=scaling.decr_ratio,
             )
-        metrics |= {"loss_scale": scale, "skipped": ~finite}
+        return new_params, new_opt, loss_scale, {"loss_scale": scale, "skipped": ~finite}
+
+    def _update(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        if self.plan.per_replica:
+            return self._update_per_replica(state, batch)
+        rest = (jax.random.fold_in(state.rng, state.step),) if self.has_rng else ()
+        scale = None if state.loss_scale is None else state.loss_scale.loss_scale
+        with self._recompute_scope():
+            (loss, aux), grads = self._grad_fn(scale)(state.params, batch, *rest)
+        params, opt_state, loss_scale, extra = self._apply(
+            state.params, state.opt_state, state.loss_scale, loss, grads, lambda finite: finite
+        )
         new_state = TrainState(state.step + 1, params, opt_state, state.rng, loss_scale)
-        return new_state, metrics
+        return new_state, {"loss": loss, **aux, **extra}
+
+    def _update_per_replica(
+        self, state: TrainState, batch: Any
+    ) -> tuple[TrainState, dict[str, Any]]:
+        """One update with every data-parallel replica stepping its own optimizer state."""
+        axes, plan = self._axes, self.plan
+        mean = lambda tree: jax.tree.map(lambda x: jax.lax.pmean(x, axes), tree)  # noqa: E731
+        unstack = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
+        restack = lambda tree: jax.tree.map(lambda x: x[None], tree)  # noqa: E731
+
+        def local(params, opt_state, loss_scale, batch, rng, step_index) -> tuple:
+            if plan.replica_params:
+                params = unstack(params)
+            scale = None if loss_scale is None else loss_scale.loss_scale
+            key = jax.random.fold_in(jax.random.fold_in(rng, step_index), jax.lax.axis_index(axes))
+            with self._recompute_scope():
+                (loss, aux), grads = self._grad_fn(scale, local=True)(
+                    params, batch, *((key,) if self.has_rng else ())
+                )
+
+            def agree(finite: jax.Array) -> jax.Array:
+                return jax.lax.pmin(finite.astype(jnp.int32), axes) == 1
+
+            params, opt_state, loss_scale, extra = self._apply(
+                params, unstack(opt_state), loss_scale, loss, grads, agree
+            )
+            if plan.replica_params:
+                params = restack(params)
+            metrics = {"loss": mean(loss), **mean(aux), **extra}
+            return params, restack(opt_state), loss_scale, metrics
+
+        stacked, rep = PartitionSpec(axes), PartitionSpec()
+        params_spec = stacked if plan.replica_params else rep
+        # Axes of size 1 are manual too (nothing to partition; see grad_allreduce). The
+        # parameter updates of DGC are equal on every replica but typed per replica, so the
+        # replication of the outputs is not checked.
+        manual = frozenset(axes) | {a for a in self.mesh.axis_names if self.mesh.shape[a] == 1}
+        params, opt_state, loss_scale, metrics = jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=(params_spec, stacked, rep, stacked, rep, rep),
+            out_specs=(params_spec, stacked, rep, rep),
+            axis_names=manual,
+            check_vma=False,
+        )(state.params, state.opt_state, state.loss_scale, batch, state.rng, state.step)
+        return TrainState(state.step + 1, params, opt_state, state.rng, loss_scale), metrics
 
     # -- the public surface --------------------------------------------------------------------
     def init(self, params: Any, seed: int | jax.Array = 0) -> TrainState:
         """The initial state: `params` replicated over the mesh, a fresh optimizer state, and
         the step key from `seed` (an int, or raw key data)."""
         rng = jax.random.PRNGKey(seed) if isinstance(seed, int) else jnp.asarray(seed)
-        placed = jax.device_put((params, rng), self.state_sharding)
-        return self._init(*placed)
+        placed = jax.device_put((params, rng), replicated(self.mesh))
+        shardings = self._state_shardings(jax.eval_shape(self._initial_state, *placed))
+        return jax.jit(self._initial_state, out_shardings=shardings)(*placed)
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         """One step on the global `batch` (host data is placed here; see `shard_batch`).
 
         Returns the new state and metrics: `"loss"`, the aux entries, and under AMP loss
-        scaling `"loss_scale"` and `"skipped"` (whether a non-finite gradient skipped it)."""
-        return self._step(state, self.shard_batch(batch))
+        scaling `"loss_scale"` and `"skipped"` (whether a non-finite gradient skipped it).
+        On accelerators the call returns at once (JAX's asynchronous dispatch); on simulated
+        CPU devices it returns when the step is done."""
+        out = self._compiled_step(state)(state, self.shard_batch(batch))
+        return jax.block_until_ready(out) if self._one_at_a_time else out
 
     def lower(self, state: TrainState, batch: Any) -> jax.stages.Lowered:
         """The lowered step for `state` and `batch` (only shapes are used; nothing runs)."""
@@ -206,7 +311,7 @@ class TrainStep:
             ),
             self._checked_batch(batch),
         )
-        return self._step.lower(state, abstract)
+        return self._compiled_step(state).lower(state, abstract)
 
     def shard_batch(self, batch: Any) -> Any:
         """`batch` as global arrays split over the data axes.
@@ -290,7 +395,9 @@ def make_train_step(
         `has_aux=True`; the aux entries join the metrics). It sees the global batch, so a mean
         over it is the data-parallel loss. Under a recompute strategy, mark its layers with
         `fleetjax.recompute` and name activations with `fleetjax.checkpoint_name`.
-      optimizer: any optax transformation, or one from `fleet.distributed_optimizer`.
+      optimizer: any optax transformation, or one from `fleet.distributed_optimizer`. Under
+        lars, lamb and dgc it is rebuilt as Paddle does (pass `fleetjax.optimizers.momentum`
+        or `adam`); localsgd wraps it.
       strategy: a `DistributedStrategy` or `Strategy`; default the optimizer's, else plain
         data parallel.
       mesh: default the optimizer's, else built from the strategy over all devices.
@@ -311,4 +418,11 @@ def make_train_step(
         mesh = mesh_from_strategy(strategy)
     else:
         _check_mesh(mesh, strategy)
+    if isinstance(optimizer, DistributedOptimizer) and optimizer.strategy == strategy:
+        optimizer = optimizer.inner  # already rebuilt for this strategy
+    else:
+        user = optimizer.user if isinstance(optimizer, DistributedOptimizer) else optimizer
+        optimizer = optimizer_for_strategy(
+            user, strategy, data_parallel_size(mesh), data_axes(mesh)
+        )
     return TrainStep(loss_fn, optimizer, strategy, plan, mesh, has_aux, has_rng)

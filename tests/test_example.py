@@ -41,3 +41,20 @@ def test_strategy_from_a_prototxt_file(tmp_path):
         "--steps", "5", "--cpu-devices", "4", "--strategy", str(tmp_path / "s.prototxt")
     )
     assert "4 cpu devices, mesh {'dp': 4" in summary
+
+
+def accuracy(summary: str) -> float:
+    return float(summary.split("test accuracy ")[1].split("%")[0])
+
+
+def test_dgc_reaches_dense_momentum_accuracy():
+    """Issue 6: DGC at 99.9% sparsity within 1 point of dense momentum, same steps."""
+    dense, _ = run("--optimizer", "momentum", "--steps", "600")
+    sparse, _ = run("--optimizer", "momentum", "--dgc", "--steps", "600")
+    assert abs(accuracy(sparse) - accuracy(dense)) <= 1.0, (dense, sparse)
+
+
+def test_every_switch_trains():
+    flags = ["--amp", "--recompute", "--gradient-merge", "2", "--fp16-allreduce"]
+    summary, _ = run("--steps", "100", *flags)
+    assert accuracy(summary) > 85, summary

@@ -194,7 +194,7 @@ class TestNothingIsSilentlyIgnored:
         [
             ({"sharding": True}, "DistributedStrategy.sharding=True: ZeRO sharding is not"),
             ({"pipeline": True}, "DistributedStrategy.pipeline=True"),
-            ({"dgc": True}, "deep gradient compression"),
+            ({"tensor_parallel": True}, "tensor parallelism"),
             ({"hybrid_configs": {"mp_degree": 2}}, "hybrid_configs.mp_degree=2: tensor"),
             ({"gradient_scale_configs": {"scale_strategy": "sum"}}, "scale_strategy='sum'"),
         ],

@@ -1,0 +1,135 @@
+"""Which optimizer a strategy trains with: Paddle's rebuilds for LARS, LAMB, DGC, LocalSGD and
+Adaptive LocalSGD, refusing with a clear error what Paddle would silently drop."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import optax
+
+from fleetjax.mesh import DATA_AXES
+from fleetjax.optimizers._basic import PaddleOptimizer
+from fleetjax.optimizers._dgc import dgc
+from fleetjax.optimizers._lamb import lamb
+from fleetjax.optimizers._lars import lars
+from fleetjax.optimizers._localsgd import adaptive_localsgd, localsgd
+from fleetjax.strategy import DistributedStrategy, Strategy
+
+SWITCHES = ("lars", "lamb", "dgc", "localsgd", "adaptive_localsgd")
+# Paddle's `_can_apply`: the user optimizer each switch accepts.
+_NEEDS = {
+    "lars": ("Momentum",),
+    "lamb": ("Adam",),
+    "dgc": ("Momentum",),
+    "localsgd": ("SGD", "Momentum"),
+    "adaptive_localsgd": ("SGD", "Momentum"),
+}
+_REBUILT = ("lars", "lamb", "dgc")  # these need the user's hyper-parameters
+
+
+def _kind_check(switch: str, optimizer: Any) -> None:
+    needs = " or ".join(_NEEDS[switch])
+    if not isinstance(optimizer, PaddleOptimizer):
+        if switch in _REBUILT:
+            constructor = f"fleetjax.optimizers.{_NEEDS[switch][0].lower()}(...)"
+            raise TypeError(
+                f"strategy.{switch} rebuilds the optimizer from the user's {needs}, as Paddle "
+                f"does, so it needs to know its hyper-parameters: pass {constructor} "
+                f"instead of {type(optimizer).__name__}"
+            )
+        return  # LocalSGD wraps any optax transformation as it is
+    if optimizer.kind not in _NEEDS[switch]:
+        raise ValueError(
+            f"strategy.{switch} needs the optimizer to be {needs} (Paddle does not apply it "
+            f"to {optimizer.kind} and trains without it), got {optimizer!r}"
+        )
+
+
+def optimizer_for_strategy(
+    optimizer: optax.GradientTransformation,
+    strategy: DistributedStrategy | Strategy,
+    data_parallel_size: int,
+    axis_names: Sequence[str] = DATA_AXES,
+) -> optax.GradientTransformation:
+    """The optimizer `strategy` trains with: `optimizer` itself, or Paddle's rebuild of it.
+
+    `lars` turns a Momentum into `lars(...)`, `lamb` an Adam into `lamb(...)`, `dgc` a
+    Momentum into `dgc(...)`, each with its `*_configs`; `localsgd` and `adaptive_localsgd`
+    wrap the optimizer. The DGC and LocalSGD results run inside `jax.shard_map` over
+    `axis_names`, on each replica's local gradients and state.
+
+    Raises:
+      TypeError: if a switch must rebuild a plain optax transformation (it needs one from
+        `fleetjax.optimizers`).
+      ValueError: if a switch cannot apply where Paddle would silently drop it: several of
+        these switches at once, the wrong kind of optimizer (LARS on Adam, ...), DGC or
+        LocalSGD with one data-parallel replica, or a setting the rebuild would lose.
+    """
+    if isinstance(strategy, Strategy):
+        return optimizer  # the auto-parallel Strategy has none of these switches
+    on = [s for s in SWITCHES if getattr(strategy, s)]
+    if not on:
+        return optimizer
+    if len(on) > 1:
+        raise ValueError(
+            f"strategy turns on {' and '.join(on)}; Paddle applies at most one of "
+            f"{', '.join(SWITCHES)} (it drops the others); turn all but one off"
+        )
+    (switch,) = on
+    _kind_check(switch, optimizer)
+    if switch in ("dgc", "localsgd", "adaptive_localsgd") and data_parallel_size < 2:
+        raise ValueError(
+            f"strategy.{switch} needs more than one data-parallel replica (Paddle applies it "
+            f"only on several cards); data_parallel_size is {data_parallel_size}"
+        )
+    hp = dict(optimizer.hyperparams) if isinstance(optimizer, PaddleOptimizer) else {}
+    configs = getattr(strategy, f"{switch}_configs")
+
+    if switch == "lars":
+        if hp["use_nesterov"]:
+            raise ValueError(
+                "strategy.lars: Paddle's lars_momentum has no Nesterov variant (Paddle drops "
+                "use_nesterov); build the Momentum with use_nesterov=False"
+            )
+        return lars(
+            hp["learning_rate"],
+            hp["momentum"],
+            configs["lars_coeff"],
+            configs["lars_weight_decay"],
+            configs["epsilon"],
+            configs["exclude_from_weight_decay"],
+            weight_decay=hp["weight_decay"],
+            clip_norm=hp["clip_norm"],
+        )
+    if switch == "lamb":
+        if hp["weight_decay"]:
+            raise ValueError(
+                f"strategy.lamb: the Adam's weight_decay={hp['weight_decay']} would be lost "
+                "(Paddle's Lamb decays by lamb_configs['lamb_weight_decay'] instead); build the "
+                "Adam without weight_decay"
+            )
+        return lamb(
+            hp["learning_rate"],
+            configs["lamb_weight_decay"],
+            hp["beta1"],
+            hp["beta2"],
+            hp["epsilon"],
+            configs["exclude_from_weight_decay"],
+            clip_norm=hp["clip_norm"],
+        )
+    if switch == "dgc":
+        return dgc(
+            hp["learning_rate"],
+            hp["momentum"],
+            use_nesterov=hp["use_nesterov"],
+            weight_decay=hp["weight_decay"],
+            clip_norm=hp["clip_norm"],
+            rampup_begin_step=configs["rampup_begin_step"],
+            rampup_step=configs["rampup_step"],
+            sparsity=configs["sparsity"],
+            axis_names=axis_names,
+        )
+    if switch == "localsgd":
+        return localsgd(optimizer, configs["k_steps"], configs["begin_step"], axis_names)
+    return adaptive_localsgd(optimizer, configs["init_k_steps"], configs["begin_step"], axis_names)

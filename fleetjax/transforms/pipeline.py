@@ -1,0 +1,511 @@
+"""`pipeline`: Paddle's pipeline parallelism (`pipeline`, `pipeline_configs`) as one SPMD program.
+
+The model is ``embed -> stage (once per layer) -> head_loss``. The layers' parameters are
+stacked on a leading layer axis split over the mesh axis ``pp``: each of the P stages owns L / P
+consecutive layers or, with V virtual stages (VPP), V chunks of L / (P V) layers taken
+round-robin. Each data-parallel replica's rows are cut into ``accumulate_steps`` micro-batches of
+``micro_batch_size`` rows; the loss is the mean of the micro-batch losses, as in Paddle.
+
+One `jax.shard_map` over ``pp`` alone runs a `lax.scan` over the ticks of a schedule table (see
+`pipeline_schedule`). In a tick every stage runs, each under its own `lax.cond`, the forward
+and then the backward the table gives it; then activations `ppermute` to the next stage and
+cotangents to the previous one. A forward keeps its `jax.vjp` residuals in a buffer slot until
+its backward reads them. Under 1F1B the buffer is a ring of 2 P - 1 slots whatever m is
+(Paddle's MPMD 1F1B holds P: here a hop between stages costs a whole tick), so activation memory
+does not grow with the number of micro-batches; under FThenB it holds all m.
+
+The other mesh axes (``dp``, ``sharding``, ``mp``) stay with the compiler. The model runs under
+a `vmap` over the data-parallel replicas, so each replica accumulates its own gradients and the
+reduction over the data axes happens once, after the pipeline.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import jaxpr_as_fun
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from fleetjax.mesh import data_axes, data_parallel_size
+from fleetjax.transforms._schedules import SCHEDULE_MODES, PipelineSchedule, pipeline_schedule
+
+__all__ = [
+    "SCHEDULE_MODES",
+    "PipelineParams",
+    "PipelineSchedule",
+    "pipeline",
+    "pipeline_schedule",
+    "to_model_order",
+    "to_pipeline_order",
+]
+
+AXIS = "pp"
+
+
+class PipelineParams(NamedTuple):
+    """The parameters of a pipelined model (and, from `pipeline`, their gradients).
+
+    Attributes:
+      embed: the parameters of `embed`; replicated over ``pp``.
+      layers: the parameters of every layer, each leaf stacked on a leading layer axis in
+        pipeline order (`to_pipeline_order`; model order unless vpp_degree > 1), split over
+        ``pp`` (`PartitionSpec("pp")`).
+      head: the parameters of `head_loss`; replicated over ``pp``.
+    """
+
+    embed: Any
+    layers: Any
+    head: Any
+
+
+def to_pipeline_order(layers: Any, pp_degree: int, vpp_degree: int = 1) -> Any:
+    """`layers` (stacked in model order) reordered so that splitting the layer axis over ``pp``
+    gives stage ``s`` the chunks ``s, s + P, s + 2P, ...`` that the VPP schedule runs on it.
+
+    The identity when `vpp_degree` is 1. `to_model_order` undoes it.
+    """
+    return jax.tree.map(lambda x: x[_order(x.shape[0], pp_degree, vpp_degree)], layers)
+
+
+def to_model_order(layers: Any, pp_degree: int, vpp_degree: int = 1) -> Any:
+    """`layers` (or their gradients) from pipeline order back to model order."""
+    return jax.tree.map(lambda x: x[np.argsort(_order(x.shape[0], pp_degree, vpp_degree))], layers)
+
+
+def _order(num_layers: int, pp_degree: int, vpp_degree: int) -> np.ndarray:
+    """Model-order layer index at each pipeline-order position."""
+    chunk = _chunk_size(num_layers, pp_degree, vpp_degree)
+    # Position (stage s, chunk v, layer j) holds model layer ((v P + s) chunk + j).
+    index = np.arange(num_layers).reshape(vpp_degree, pp_degree, chunk)
+    return index.transpose(1, 0, 2).reshape(-1)
+
+
+def _chunk_size(num_layers: int, pp_degree: int, vpp_degree: int) -> int:
+    if num_layers % (pp_degree * vpp_degree):
+        raise ValueError(
+            f"the layers' leading axis has {num_layers} layers, which do not split into "
+            f"pp_degree x vpp_degree = {pp_degree} x {vpp_degree} equal chunks"
+        )
+    return num_layers // (pp_degree * vpp_degree)
+
+
+def pipeline(
+    embed: Callable[[Any, Any], Any],
+    stage: Callable[[Any, Any], Any],
+    head_loss: Callable[[Any, Any, Any], jax.Array],
+    *,
+    mesh: Mesh,
+    micro_batch_size: int,
+    accumulate_steps: int,
+    schedule_mode: str = "1F1B",
+    vpp_degree: int = 1,
+) -> Callable[[PipelineParams, Any], tuple[jax.Array, PipelineParams]]:
+    """The loss and gradients of a layered model, pipelined over the mesh axis ``pp``.
+
+    Paddle's `pipeline` with `pipeline_configs` (`micro_batch_size`, `accumulate_steps`,
+    `schedule_mode`) and `Strategy.pipeline.vpp_degree`.
+
+    Args:
+      embed: ``embed(params.embed, micro_batch) -> activations`` (an array or a pytree), run by
+        the first stage; it runs again in that stage's backward (its residuals are not kept).
+      stage: ``stage(layer_params, activations) -> activations`` for one layer, with the same
+        shapes and dtypes out as in; wrap it in `jax.checkpoint` to recompute inside stages.
+      head_loss: ``head_loss(params.head, activations, micro_batch) -> scalar``, run by the last
+        stage.
+      mesh: a mesh with a ``pp`` axis; the others (``dp``, ``sharding``, ``mp``) are left to
+        the compiler, and the batch is split over ``dp`` x ``sharding``.
+      micro_batch_size: rows in a micro-batch of one data-parallel replica.
+      accumulate_steps: micro-batches per step, m.
+      schedule_mode: "1F1B" (default), "FThenB" (or "F-then-B"), or "VPP".
+      vpp_degree: model chunks per stage for "VPP" (at least 2; then m >= pp_degree).
+
+    Returns:
+      ``value_and_grad(params, batch) -> (loss, grads)`` for a `PipelineParams` and a batch
+      whose leaves have ``micro_batch_size * accumulate_steps`` rows per data-parallel replica:
+      the loss is the mean of the micro-batch losses (over all replicas), and the gradients are
+      exactly its gradients, in a `PipelineParams` with the layers' split over ``pp``.
+
+    Raises:
+      ValueError: for a mesh without ``pp``, an unknown schedule, or counts Paddle does not
+        allow; when called, for a batch of the wrong size, layers that do not split into
+        pp_degree x vpp_degree chunks, or a `stage` that changes the activations' shape.
+    """
+    if AXIS not in mesh.axis_names:
+        raise ValueError(f"mesh must have a 'pp' axis for the pipeline, got axes {mesh.axis_names}")
+    size = micro_batch_size
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"micro_batch_size must be a positive int, got {size!r}")
+    schedule = pipeline_schedule(schedule_mode, mesh.shape[AXIS], accumulate_steps, vpp_degree)
+    plan = _plan(schedule)
+    model = _Model(embed, stage, head_loss)
+    replicas = data_parallel_size(mesh)
+    by_replica = NamedSharding(mesh, PartitionSpec(None, data_axes(mesh) or None))
+    specs = dict(
+        in_specs=(PartitionSpec(), PartitionSpec(AXIS), PartitionSpec(), PartitionSpec()),
+        out_specs=(PartitionSpec(None, AXIS), PartitionSpec(AXIS)),
+    )
+
+    def split(batch: Any) -> Any:
+        """[replicas * m * b, ...] -> [m, replicas, b, ...]. As in Paddle, micro-batch i of a
+        replica is rows [i b, (i + 1) b) of that replica's rows."""
+        sizes = {x.shape[0] if x.ndim else None for x in jax.tree.leaves(batch)}
+        if len(sizes) != 1 or None in sizes:
+            raise ValueError(f"every batch leaf needs the same leading (batch) size, got {sizes}")
+        (size,) = sizes
+        if size != replicas * micro_batch_size * accumulate_steps:
+            per_replica = size // replicas if size % replicas == 0 else size / replicas
+            raise ValueError(
+                "batch_size needs to be divisible by micro_batch_size. Currently, "
+                f"batch_size = {per_replica}, micro_batch_size = {micro_batch_size}, "
+                f"accumulate_steps = {accumulate_steps}. (batch_size is per data-parallel "
+                f"replica: {size} rows over {replicas} replicas)"
+            )
+
+        def cut(x: jax.Array) -> jax.Array:
+            x = x.reshape(replicas, accumulate_steps, micro_batch_size, *x.shape[1:])
+            return x.swapaxes(0, 1)
+
+        return lax.with_sharding_constraint(jax.tree.map(cut, batch), by_replica)
+
+    def value_and_grad(params: PipelineParams, batch: Any) -> tuple[jax.Array, PipelineParams]:
+        if not isinstance(params, PipelineParams):
+            raise TypeError(
+                "params must be a fleetjax PipelineParams(embed, layers, head), "
+                f"got {type(params).__name__}"
+            )
+        micro = split(batch)
+        shapes = _shapes(model, schedule, params, micro)
+        run = _program(model, schedule, plan, mesh, shapes)
+        sharded = jax.shard_map(run, mesh=mesh, axis_names={AXIS}, **specs)
+        g_layers, by_stage = sharded(params.embed, params.layers, params.head, micro)
+        # Sum over the data-parallel replicas (each scaled by 1 / replicas already) and, for
+        # the loss and the embed and head gradients, over the stages that made them.
+        g_layers = jax.tree.map(lambda g: g.sum(0), g_layers)
+        loss, g_embed, g_head = jax.tree.map(lambda x: x.sum((0, 1)), by_stage)
+        return loss, PipelineParams(g_embed, g_layers, g_head)
+
+    return value_and_grad
+
+
+class _Model(NamedTuple):
+    """The user's model functions."""
+
+    embed: Callable[[Any, Any], Any]
+    stage: Callable[[Any, Any], Any]
+    head_loss: Callable[[Any, Any, Any], jax.Array]
+
+    def chunk(self, chunk_params: Any, x: Any) -> Any:
+        """A chunk's consecutive layers (parameters stacked on the leading axis)."""
+        return lax.scan(lambda h, p: (self.stage(p, h), None), x, chunk_params)[0]
+
+
+# Columns of the execution table [ticks, stages, COLUMNS]. The forward: its micro-batch (-1:
+# none), chunk, input's activation slot, residual slot, and head-cotangent slot (last virtual
+# stage); the backward: micro-batch, chunk, residual slot, cotangent slot; then the slots that
+# receive this tick's activation and cotangent.
+F_MICRO, F_CHUNK, F_ACT, F_RES, F_DY = range(5)
+B_MICRO, B_CHUNK, B_RES, B_COT = range(5, 9)
+RECV_ACT, RECV_COT = range(9, 11)
+COLUMNS = 11
+
+
+class _Slots:
+    """Buffer slots of one stage, the lowest free one taken first."""
+
+    def __init__(self) -> None:
+        self.size = 0
+        self._free: list[int] = []
+
+    def take(self) -> int:
+        if self._free:
+            return heapq.heappop(self._free)
+        self.size += 1
+        return self.size - 1
+
+    def give(self, slot: int) -> None:
+        heapq.heappush(self._free, slot)
+
+
+class _Plan(NamedTuple):
+    """A schedule made executable: the table [ticks, stages, COLUMNS] and the buffers' slots."""
+
+    table: np.ndarray
+    residual_slots: int  # vjp residuals of forwards whose backward has not run
+    activation_slots: int  # activations received and not yet consumed, and a trash slot
+    cotangent_slots: int  # cotangents received (or made by the head) not yet consumed, + trash
+
+
+def _plan(schedule: PipelineSchedule) -> _Plan:
+    """Assign buffer slots to every value the schedule keeps across ticks.
+
+    Within a tick a stage reads its forward input, writes residuals (and, at the last virtual
+    stage, the head's cotangent), then reads the backward's cotangent and residuals, and at the
+    end of the tick receives; a slot is reused as soon as that order allows. Residuals are
+    written only by a forward that runs, so idle rows point at slot 0; activations and
+    cotangents are written every tick, so their buffers get a trash slot, the last, for idle
+    rows.
+    """
+    stages, last = schedule.stages, schedule.stages * schedule.virtual_stages - 1
+    residuals = [_Slots() for _ in range(stages)]
+    activations = [_Slots() for _ in range(stages)]
+    cotangents = [_Slots() for _ in range(stages)]
+    held: dict[tuple[str, int, int, int], int] = {}  # (kind, stage, virtual stage, micro) -> slot
+    trash = -1
+    table = np.full((schedule.ticks, stages, COLUMNS), trash, np.int32)
+    for t in range(schedule.ticks):
+        row = table[t]
+        row[:, F_MICRO], row[:, F_CHUNK] = schedule.forward[t], schedule.forward_chunk[t]
+        row[:, B_MICRO], row[:, B_CHUNK] = schedule.backward[t], schedule.backward_chunk[t]
+        for s in range(stages):
+            i, k = row[s, F_MICRO], row[s, F_CHUNK] * stages + s
+            if i < 0:
+                continue
+            if k > 0:
+                row[s, F_ACT] = held.pop(("act", s, k, i))
+                activations[s].give(row[s, F_ACT])
+            row[s, F_RES] = held["res", s, k, i] = residuals[s].take()
+            if k == last:
+                row[s, F_DY] = held["cot", s, k, i] = cotangents[s].take()
+        for s in range(stages):
+            i, k = row[s, B_MICRO], row[s, B_CHUNK] * stages + s
+            if i < 0:
+                continue
+            row[s, B_COT] = held.pop(("cot", s, k, i))
+            cotangents[s].give(row[s, B_COT])
+            row[s, B_RES] = held.pop(("res", s, k, i))
+            residuals[s].give(row[s, B_RES])
+        for s in range(stages):
+            i, k = row[s, F_MICRO], row[s, F_CHUNK] * stages + s
+            if i >= 0 and k < last:
+                to = (s + 1) % stages
+                row[to, RECV_ACT] = held["act", to, k + 1, i] = activations[to].take()
+            i, k = row[s, B_MICRO], row[s, B_CHUNK] * stages + s
+            if i >= 0 and k > 0:
+                to = (s - 1) % stages
+                row[to, RECV_COT] = held["cot", to, k - 1, i] = cotangents[to].take()
+    sizes = [max(b.size for b in buffers) for buffers in (residuals, activations, cotangents)]
+    # A ring of the rule's bound: the same memory whatever the number of micro-batches.
+    sizes[0] = max(sizes[0], schedule.in_flight_bound or 0)
+    unused = (0, sizes[1], sizes[2])
+    for columns, slot in zip(
+        ((F_RES, B_RES), (F_ACT, RECV_ACT), (F_DY, B_COT, RECV_COT)), unused, strict=True
+    ):
+        for c in columns:
+            table[..., c] = np.where(table[..., c] == trash, slot, table[..., c])
+    return _Plan(table, sizes[0], sizes[1] + 1, sizes[2] + 1)
+
+
+class _ChunkVjp:
+    """A chunk's forward that also returns its `jax.vjp` residuals, and the backward from them.
+
+    The forward is traced once, here, and that one jaxpr runs in every tick: tracing `jax.vjp`
+    again (inside `cond`, `vmap`, `shard_map`) may give its residuals in another order, or
+    more of them (constants lifted), than the buffers were made for. Residuals that are the
+    chunk's parameters themselves are not returned; `backward` takes them from the parameters.
+    """
+
+    def __init__(self, chunk: Callable[[Any, Any], Any], params: Any, x: Any) -> None:
+        """Traces `chunk`'s forward for values like `params` and `x` (typed as in the ticks)."""
+
+        def forward(w: Any, x: Any) -> tuple[Any, list[jax.Array]]:
+            y, vjp_fn = jax.vjp(chunk, w, x)
+            leaves, treedef = jax.tree.flatten(vjp_fn)
+            w_leaves = jax.tree.leaves(w)
+            # Per residual: the index of the parameter it is, or None.
+            where = [next((j for j, p in enumerate(w_leaves) if r is p), None) for r in leaves]
+            self._vjp_def = (treedef, where)
+            return y, [r for r, j in zip(leaves, where, strict=True) if j is None]
+
+        jaxpr, (y, residuals) = jax.make_jaxpr(forward, return_shape=True)(params, x)
+        self._forward = jaxpr_as_fun(jaxpr)
+        self._y_def = jax.tree.structure(y)
+        self.shapes: list[jax.ShapeDtypeStruct] = residuals
+
+    def forward(self, w: Any, x: Any) -> tuple[Any, list[jax.Array]]:
+        """The chunk's output and its residuals."""
+        out = self._forward(*jax.tree.leaves((w, x)))
+        split = self._y_def.num_leaves
+        return jax.tree.unflatten(self._y_def, out[:split]), list(out[split:])
+
+    def backward(self, w: Any, residuals: list[jax.Array], dy: Any) -> tuple[Any, Any]:
+        """The gradients for the chunk's parameters and input, given its output's `dy`."""
+        treedef, where = self._vjp_def
+        w_leaves, stored = jax.tree.leaves(w), iter(residuals)
+        leaves = [next(stored) if j is None else w_leaves[j] for j in where]
+        return jax.tree.unflatten(treedef, leaves)(dy)
+
+
+class _Shapes(NamedTuple):
+    """The shapes of one replica's activations and of one chunk's parameters."""
+
+    activations: Any  # ShapeDtypeStructs of embed's output (and every stage's)
+    chunk: Any  # ShapeDtypeStructs of one chunk's parameters
+
+
+def _shapes(
+    model: _Model, schedule: PipelineSchedule, params: PipelineParams, micro: Any
+) -> _Shapes:
+    """The activations' and a chunk's shapes; checks that the layers split into chunks and that
+    `stage` keeps the activations' shapes."""
+    lengths = {x.shape[0] for x in jax.tree.leaves(params.layers)}
+    if len(lengths) != 1:
+        raise ValueError(f"every layers leaf needs the same leading (layer) axis, got {lengths}")
+    size = _chunk_size(lengths.pop(), schedule.stages, schedule.virtual_stages)
+    chunk = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct((size, *a.shape[1:]), a.dtype), params.layers
+    )
+    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), micro)
+    activations = jax.eval_shape(model.embed, params.embed, one)
+    layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), chunk)
+    out = jax.eval_shape(model.stage, layer, activations)
+    if jax.tree.structure(out) != jax.tree.structure(activations) or any(
+        (a.shape, a.dtype) != (b.shape, b.dtype)
+        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(activations), strict=True)
+    ):
+        raise ValueError(f"stage must return activations like its input {activations}, got {out}")
+    return _Shapes(activations, chunk)
+
+
+def _program(
+    model: _Model, schedule: PipelineSchedule, plan: _Plan, mesh: Mesh, shapes: _Shapes
+) -> Callable[..., tuple[Any, Any]]:
+    """The per-stage program (the body of `shard_map`): the plan's table, tick by tick.
+
+    The model runs under a `vmap` over the data-parallel replicas (the micro-batches are [m,
+    replicas, micro_batch_size, ...]), so that each replica accumulates its own gradients and
+    they are reduced over the data axes once, after the pipeline. Returns the layers' gradients
+    [replicas, layers, ...] and, per stage, [1, replicas, ...] of the loss and of the embed and
+    head gradients.
+    """
+    stages, chunks = schedule.stages, schedule.virtual_stages
+    last = stages * chunks - 1
+    replicas = data_parallel_size(mesh)
+    scale = 1.0 / (schedule.micro_batches * replicas)
+    by_replica = PartitionSpec(None, data_axes(mesh) or None)  # [slots, replicas, ...]
+    to_next = [(s, (s + 1) % stages) for s in range(stages) if chunks > 1 or s + 1 < stages]
+    to_prev = [(s, (s - 1) % stages) for s in range(stages) if chunks > 1 or s > 0]
+    activations = shapes.activations
+    f32 = jax.ShapeDtypeStruct((), jnp.float32)
+
+    def zeros(shape: Any, *lead: int) -> Any:
+        """Zeros of `shape` (a pytree of shapes), with leading dimensions `lead`."""
+        return _varying(jax.tree.map(lambda a: jnp.zeros((*lead, *a.shape), a.dtype), shape))
+
+    def buffer(shape: Any, slots: int) -> Any:
+        """`slots` slots for every replica's value of `shape`."""
+        return lax.with_sharding_constraint(zeros(shape, slots, replicas), by_replica)
+
+    def put(buffers: Any, slot: jax.Array, values: Any) -> Any:
+        return jax.tree.map(lambda b, v: b.at[slot].set(v), buffers, values)
+
+    def run(embed_params: Any, layers: Any, head_params: Any, micro: Any) -> tuple[Any, Any]:
+        s = lax.axis_index(AXIS)
+        # Varying from the start: a gradient for a value invariant over pp would be summed
+        # over pp inside the cond branches.
+        embed_params, head_params = _varying((embed_params, head_params))
+        layers = jax.tree.map(lambda x: x.reshape(chunks, -1, *x.shape[1:]), layers)
+
+        def chunk_params(chunk: jax.Array | int) -> Any:
+            return _take(layers, chunk) if chunks > 1 else jax.tree.map(lambda x: x[0], layers)
+
+        chunk_vjp = _ChunkVjp(model.chunk, chunk_params(0), zeros(activations))
+
+        def tick(carry: tuple, rows: jax.Array) -> tuple[tuple, None]:
+            res, acts, cots, g_layers, g_embed, g_head, loss = carry
+            row = rows[s]
+            f_chunk, b_chunk = row[F_CHUNK], row[B_CHUNK]
+            is_first = f_chunk * stages + s == 0
+            is_last = f_chunk * stages + s == last
+
+            def forward_one(w: Any, x_in: Any, batch: Any) -> tuple:
+                x = lax.cond(is_first, lambda: model.embed(embed_params, batch), lambda: x_in)
+                y, residuals = chunk_vjp.forward(w, x)
+
+                def head() -> tuple:
+                    def loss_fn(h: Any, y: Any) -> jax.Array:
+                        return model.head_loss(h, y, batch).astype(jnp.float32) * scale
+
+                    value, (dh, dy) = jax.value_and_grad(loss_fn, (0, 1))(head_params, y)
+                    return value, dh, dy
+
+                def no_head() -> tuple:
+                    return zeros((f32, head_params, activations))
+
+                return (residuals, y, *lax.cond(is_last, head, no_head))
+
+            def forward(res: Any, x_in: Any, batch: Any) -> tuple:
+                w = chunk_params(f_chunk)
+                residuals, *out = jax.vmap(forward_one, in_axes=(None, 0, 0))(w, x_in, batch)
+                return put(res, row[F_RES], residuals), *out
+
+            def no_forward(res: Any, x_in: Any, batch: Any) -> tuple:
+                made = (activations, f32, head_params, activations)
+                return res, *zeros(made, replicas)
+
+            f_batch = _take(micro, jnp.maximum(row[F_MICRO], 0))
+            res, y, value, dh, dy = lax.cond(
+                row[F_MICRO] >= 0, forward, no_forward, res, _take(acts, row[F_ACT]), f_batch
+            )
+            cots = put(cots, row[F_DY], dy)
+
+            def backward_one(w: Any, residuals: list[jax.Array], dy: Any, batch: Any) -> tuple:
+                dw, dx = chunk_vjp.backward(w, residuals, dy)
+
+                def embed_grad() -> Any:
+                    return jax.vjp(lambda e: model.embed(e, batch), embed_params)[1](dx)[0]
+
+                is_first = b_chunk * stages + s == 0
+                return dw, dx, lax.cond(is_first, embed_grad, lambda: zeros(embed_params))
+
+            def backward(res: Any, dy: Any, batch: Any) -> tuple:
+                w = chunk_params(b_chunk)
+                residuals = _take(res, row[B_RES])
+                return jax.vmap(backward_one, in_axes=(None, 0, 0, 0))(w, residuals, dy, batch)
+
+            def no_backward(res: Any, dy: Any, batch: Any) -> tuple:
+                return zeros((shapes.chunk, activations, embed_params), replicas)
+
+            b_batch = _take(micro, jnp.maximum(row[B_MICRO], 0))
+            dw, dx, de = lax.cond(
+                row[B_MICRO] >= 0, backward, no_backward, res, _take(cots, row[B_COT]), b_batch
+            )
+            g_layers = jax.tree.map(lambda g, d: g.at[:, b_chunk].add(d), g_layers, dw)
+            g_embed = jax.tree.map(jnp.add, g_embed, de)
+            g_head = jax.tree.map(jnp.add, g_head, dh)
+            if to_next:
+                acts = put(acts, row[RECV_ACT], lax.ppermute(y, AXIS, to_next))
+                cots = put(cots, row[RECV_COT], lax.ppermute(dx, AXIS, to_prev))
+            return (res, acts, cots, g_layers, g_embed, g_head, loss + value), None
+
+        carry = (
+            buffer(chunk_vjp.shapes, plan.residual_slots),
+            buffer(activations, plan.activation_slots),
+            buffer(activations, plan.cotangent_slots),
+            zeros(layers, replicas),
+            zeros(embed_params, replicas),
+            zeros(head_params, replicas),
+            zeros(f32, replicas),
+        )
+        carry, _ = lax.scan(tick, carry, jnp.asarray(plan.table))
+        _, _, _, g_layers, g_embed, g_head, loss = carry
+        g_layers = jax.tree.map(lambda g: g.reshape(replicas, -1, *g.shape[3:]), g_layers)
+        return g_layers, jax.tree.map(lambda x: x[None], (loss, g_embed, g_head))
+
+    return run
+
+
+def _varying(tree: Any) -> Any:
+    """`tree` (values invariant over pp) typed as varying over pp, as values that differ
+    between stages (loop carries, cond branches) must be inside `shard_map`."""
+    return jax.tree.map(lambda x: lax.pcast(x, (AXIS,), to="varying"), tree)
+
+
+def _take(tree: Any, index: jax.Array) -> Any:
+    """Entry `index` of every leaf's leading axis."""
+    return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, index, keepdims=False), tree)

@@ -1,0 +1,173 @@
+"""pipeline: every schedule gives the loss and gradients of the unpipelined model."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fleetjax.mesh import build_mesh
+from fleetjax.transforms.pipeline import (
+    PipelineParams,
+    pipeline,
+    to_model_order,
+    to_pipeline_order,
+)
+
+HIDDEN = 8
+MICRO_BATCH_SIZE = 2
+
+
+def embed(p, batch):
+    return jnp.tanh(batch["x"] @ p["w"])
+
+
+def stage(p, x):
+    return x + jnp.tanh(x @ p["w"] + p["b"])
+
+
+def head_loss(p, x, batch):
+    return jnp.mean((x @ p["w"] - batch["y"]) ** 2)
+
+
+def make_params(layers, seed=0):
+    rng = np.random.RandomState(seed)
+    return PipelineParams(
+        {"w": rng.randn(5, HIDDEN).astype(np.float32) / 2},
+        {
+            "w": rng.randn(layers, HIDDEN, HIDDEN).astype(np.float32) / 3,
+            "b": rng.randn(layers, HIDDEN).astype(np.float32) / 5,
+        },
+        {"w": rng.randn(HIDDEN, 3).astype(np.float32) / 3},
+    )
+
+
+def make_batch(rows, seed=1):
+    rng = np.random.RandomState(seed)
+    return {"x": rng.randn(rows, 5).astype(np.float32), "y": rng.randn(rows, 3).astype(np.float32)}
+
+
+@functools.cache
+def reference_for(layers, micro_batches):
+    """The reference for the test model with `layers` layers on one replica (cached: the
+    schedules share it)."""
+    return reference(
+        make_params(layers), make_batch(micro_batches * MICRO_BATCH_SIZE), 1, micro_batches
+    )
+
+
+def reference(params, batch, replicas, micro_batches, model=(embed, stage, head_loss)):
+    """Paddle's pipeline loss on one device: the mean over every replica's micro-batches
+    (rows [i b, (i + 1) b) of the replica's rows) of the unpipelined model's loss."""
+    embed_fn, stage_fn, head_fn = model
+
+    def loss(params, batch):
+        def one(micro):
+            x = embed_fn(params.embed, micro)
+            x = jax.lax.scan(lambda h, p: (stage_fn(p, h), None), x, params.layers)[0]
+            return head_fn(params.head, x, micro)
+
+        split = jax.tree.map(lambda a: a.reshape(replicas * micro_batches, -1, *a.shape[1:]), batch)
+        return jnp.mean(jax.vmap(one)(split))
+
+    device = jax.devices()[0]
+    return jax.jit(jax.value_and_grad(loss))(*jax.device_put((params, batch), device))
+
+
+CASES = [
+    (mode, pp, m) for mode in ("FThenB", "1F1B") for pp in (2, 4) for m in (1, pp, 2 * pp + 1)
+] + [("VPP", pp, m) for pp in (2, 4) for m in (pp, 2 * pp + 1)]
+
+
+@pytest.mark.parametrize(("mode", "pp", "m"), CASES)
+def test_equals_unpipelined(mode, pp, m):
+    vpp = 2 if mode == "VPP" else 1
+    mesh = build_mesh(dp=1, pp=pp, devices=jax.devices()[:pp])
+    params = make_params(2 * pp * vpp)  # chunks of two layers
+    batch = make_batch(m * MICRO_BATCH_SIZE)
+    step = pipeline(
+        embed,
+        stage,
+        head_loss,
+        mesh=mesh,
+        micro_batch_size=MICRO_BATCH_SIZE,
+        accumulate_steps=m,
+        schedule_mode=mode,
+        vpp_degree=vpp,
+    )
+    placed = params._replace(layers=to_pipeline_order(params.layers, pp, vpp))
+    loss, grads = jax.jit(step)(placed, batch)
+    grads = grads._replace(layers=to_model_order(grads.layers, pp, vpp))
+    expected_loss, expected_grads = reference_for(2 * pp * vpp, m)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-6)
+    chex.assert_trees_all_close(grads, expected_grads, rtol=1e-5, atol=1e-5)
+
+
+def test_pipeline_order():
+    layers = {"w": np.arange(8)}
+    # Stage s owns chunks s and s + P: model layers [2s, 2s + 1] and [4 + 2s, 4 + 2s + 1].
+    ordered = to_pipeline_order(layers, 2, 2)
+    np.testing.assert_array_equal(ordered["w"], [0, 1, 4, 5, 2, 3, 6, 7])
+    np.testing.assert_array_equal(to_model_order(ordered, 2, 2)["w"], np.arange(8))
+    np.testing.assert_array_equal(to_pipeline_order(layers, 4)["w"], np.arange(8))
+    with pytest.raises(ValueError, match="has 8 layers, which do not split into pp_degree"):
+        to_pipeline_order(layers, 3, 1)
+
+
+def test_wrong_batch_size_states_the_three_numbers():
+    mesh = build_mesh(dp=2, pp=4)
+    step = pipeline(embed, stage, head_loss, mesh=mesh, micro_batch_size=2, accumulate_steps=3)
+    with pytest.raises(ValueError) as error:
+        step(make_params(4), make_batch(14))
+    assert str(error.value) == (
+        "batch_size needs to be divisible by micro_batch_size. Currently, batch_size = 7, "
+        "micro_batch_size = 2, accumulate_steps = 3. (batch_size is per data-parallel "
+        "replica: 14 rows over 2 replicas)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"schedule_mode": "ZBH1"}, "schedule_mode must be one of 'FThenB', 'F-then-B'"),
+        ({"micro_batch_size": 0}, "micro_batch_size must be a positive int, got 0"),
+        ({"accumulate_steps": 0}, r"micro_batches \(accumulate_steps\) must be a positive int"),
+        (
+            {"schedule_mode": "VPP", "vpp_degree": 2, "accumulate_steps": 2},
+            r"The accumulate_steps\(2\) should be greater than or equal to pp_degree\(4\)",
+        ),
+    ],
+)
+def test_bad_configuration(kwargs, message):
+    mesh = build_mesh(dp=2, pp=4)
+    config = {"micro_batch_size": 2, "accumulate_steps": 4, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        pipeline(embed, stage, head_loss, mesh=mesh, **config)
+
+
+def test_bad_model():
+    with pytest.raises(ValueError, match=r"mesh must have a 'pp' axis .* got axes \('x',\)"):
+        pipeline(
+            embed,
+            stage,
+            head_loss,
+            mesh=jax.make_mesh((8,), ("x",)),
+            micro_batch_size=2,
+            accumulate_steps=4,
+        )
+    mesh = build_mesh(dp=2, pp=4)
+    step = pipeline(embed, stage, head_loss, mesh=mesh, micro_batch_size=2, accumulate_steps=4)
+    batch = make_batch(16)
+    with pytest.raises(ValueError, match="has 6 layers, which do not split into pp_degree x"):
+        step(make_params(6), batch)
+    with pytest.raises(TypeError, match="params must be a fleetjax PipelineParams"):
+        step(tuple(make_params(4)), batch)
+
+    def widening(p, x):
+        return jnp.concatenate([x, x], -1)
+
+    step = pipeline(embed, widening, head_loss, mesh=mesh, micro_batch_size=2, accumulate_steps=4)
+    with pytest.raises(ValueError, match="stage must return activations like its input"):
+        step(make_params(4), batch)

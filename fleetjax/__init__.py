@@ -13,6 +13,7 @@ state, metrics = step(state, batch)
 
 from fleetjax import checkpoint, export, fleet, mesh, optimizers, transforms
 from fleetjax._config import UnknownFieldError
+from fleetjax._explain import Explanation, explain
 from fleetjax._prototxt import PrototxtError
 from fleetjax._support import StrategyWarning
 from fleetjax.checkpoint import CheckpointManager
@@ -26,7 +27,9 @@ from fleetjax.strategy import (
     Strategy,
     seed_default_differences,
 )
+from fleetjax.transforms._schedules import PipelineSchedule, pipeline_schedule
 from fleetjax.transforms.amp import fp16_guard
+from fleetjax.transforms.pipeline import PipelineLayer, PipelineParams
 from fleetjax.transforms.recompute import checkpoint_name, recompute
 
 __version__ = "0.1.0"
@@ -37,6 +40,10 @@ __all__ = [
     "DistributedOptimizer",
     "DistributedStrategy",
     "ExecutionStrategy",
+    "Explanation",
+    "PipelineLayer",
+    "PipelineParams",
+    "PipelineSchedule",
     "PrototxtError",
     "Strategy",
     "StrategyWarning",
@@ -47,12 +54,14 @@ __all__ = [
     "checkpoint",
     "checkpoint_name",
     "distributed_optimizer",
+    "explain",
     "export",
     "fleet",
     "fp16_guard",
     "make_train_step",
     "mesh",
     "optimizers",
+    "pipeline_schedule",
     "recompute",
     "seed_default_differences",
     "transforms",

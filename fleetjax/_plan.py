@@ -45,6 +45,14 @@ class GradientMerge:
 
 
 @dataclasses.dataclass(frozen=True)
+class Pipeline:
+    schedule_mode: str
+    micro_batch_size: int
+    accumulate_steps: int
+    vpp_degree: int  # 0: the model's own num_virtual_pipeline_stages
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """The transforms a train step applies; None means off."""
 
@@ -56,6 +64,10 @@ class Plan:
     # state, inside shard_map, and does its own communication.
     per_replica: bool = False
     replica_params: bool = False  # LocalSGD: each replica's parameters drift apart too
+    # ZeRO over the `sharding` axis: 0 off; 1 optimizer state, 2 + gradients, 3 + parameters.
+    sharding_stage: int = 0
+    optimizer_offload: bool = False  # the optimizer state lives in pinned host memory
+    pipeline: Pipeline | None = None
 
 
 def _recompute(switch: str, config, where: str, shape: tuple[int, ...] = ()) -> Recompute:
@@ -142,6 +154,57 @@ def _distributed_merge(s: DistributedStrategy) -> GradientMerge | None:
     return GradientMerge(acc_step, True, False) if acc_step > 1 else None
 
 
+def _distributed_sharding(s: DistributedStrategy) -> tuple[int, bool]:
+    """(ZeRO stage, optimizer offload): from `sharding_configs` when `sharding` is on, or
+    Paddle's dygraph rule: `hybrid_configs.sharding_degree > 1` shards the optimizer state
+    (stage 1; stage 2 with the flattened buffers of `sharding_configs.split_param`)."""
+    if s.sharding:
+        return s.sharding_configs["stage"], s.sharding_configs["optimize_offload"]
+    if s.hybrid_configs["sharding_degree"] > 1:
+        return 2 if s.hybrid_configs["sharding_configs"]["split_param"] else 1, False
+    return 0, False
+
+
+_PIPELINE_SCHEDULES = ("1F1B", "FThenB", "F-then-B", "VPP")
+
+
+def _pipeline(mode: str, micro_batch_size: int, accumulate_steps: int, vpp: int) -> Pipeline:
+    if mode not in _PIPELINE_SCHEDULES:
+        raise NotImplementedError(
+            f"pipeline schedule_mode {mode!r} is not available in this version of fleetjax; "
+            f"use one of {', '.join(_PIPELINE_SCHEDULES)}"
+        )
+    return Pipeline(mode, micro_batch_size, accumulate_steps, vpp)
+
+
+def _check_combinations(plan: Plan) -> Plan:
+    if plan.sharding_stage and plan.per_replica:
+        raise ValueError(
+            "ZeRO sharding and dgc/localsgd cannot be combined: they keep per-replica "
+            "optimizer state, ZeRO splits one copy of it over the sharding axis"
+        )
+    if plan.pipeline is not None:
+        merge = plan.gradient_merge
+        clash = (
+            "gradient merge in one call (the pipeline's accumulate_steps is that)"
+            if merge is not None and merge.in_step
+            else "dgc/localsgd"
+            if plan.per_replica
+            else "fp16_allreduce"
+            if plan.allreduce_dtype is not None
+            else None
+        )
+        if clash:
+            raise ValueError(f"the pipeline does not combine with {clash}")
+    if plan.sharding_stage and plan.allreduce_dtype is not None:
+        _support.warn_once(
+            "fp16_allreduce is turned off under ZeRO sharding, as Paddle does (its gradients "
+            "are reduce-scattered over the sharding axis by the compiler)"
+        )
+        return dataclasses.replace(plan, allreduce_dtype=None)
+    return plan
+
+
 def read_plan(strategy: DistributedStrategy | Strategy) -> Plan:
     """The `Plan` for `strategy`; raises for settings fleetjax cannot apply, warns once for
     settings without effect."""
@@ -149,14 +212,26 @@ def read_plan(strategy: DistributedStrategy | Strategy) -> Plan:
     if isinstance(strategy, Strategy):
         merge = strategy.gradient_merge
         recompute = strategy.recompute
-        return Plan(
-            recompute=_recompute("Strategy.recompute.enable", recompute, "Strategy.recompute")
-            if recompute.enable
-            else None,
-            amp=_auto_amp(strategy),
-            gradient_merge=GradientMerge(merge.k_steps, merge.avg, merge.mode == "in_step")
-            if merge.enable and merge.k_steps > 1
-            else None,
+        pipe = strategy.pipeline
+        return _check_combinations(
+            Plan(
+                recompute=_recompute("Strategy.recompute.enable", recompute, "Strategy.recompute")
+                if recompute.enable
+                else None,
+                amp=_auto_amp(strategy),
+                gradient_merge=GradientMerge(merge.k_steps, merge.avg, merge.mode == "in_step")
+                if merge.enable and merge.k_steps > 1
+                else None,
+                sharding_stage=strategy.sharding.stage if strategy.sharding.enable else 0,
+                pipeline=_pipeline(
+                    pipe.schedule_mode,
+                    pipe.micro_batch_size,
+                    pipe.accumulate_steps,
+                    pipe.vpp_degree,
+                )
+                if pipe.enable
+                else None,
+            )
         )
     recompute = strategy.recompute_configs
     per_replica = [
@@ -167,7 +242,9 @@ def read_plan(strategy: DistributedStrategy | Strategy) -> Plan:
             f"fp16_allreduce and {per_replica[0]} cannot be combined: {per_replica[0]} does "
             "its own communication, with no dense gradient all-reduce to run in half precision"
         )
-    return Plan(
+    stage, offload = _distributed_sharding(strategy)
+    pipe = strategy.pipeline_configs
+    plan = Plan(
         recompute=_recompute(
             "DistributedStrategy.recompute",
             recompute,
@@ -181,4 +258,12 @@ def read_plan(strategy: DistributedStrategy | Strategy) -> Plan:
         allreduce_dtype=strategy.fp16_allreduce_dtype if strategy.fp16_allreduce else None,
         per_replica=bool(per_replica),
         replica_params=bool(per_replica) and per_replica[0] != "dgc",
+        sharding_stage=stage,
+        optimizer_offload=offload,
+        pipeline=_pipeline(
+            pipe["schedule_mode"], pipe["micro_batch_size"], pipe["accumulate_steps"], 0
+        )
+        if strategy.pipeline or strategy.hybrid_configs["pp_degree"] > 1
+        else None,
     )
+    return _check_combinations(plan)

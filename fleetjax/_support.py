@@ -31,8 +31,6 @@ def warn_once(message: str) -> None:
 
 # Switches that change the computation; each is implemented by its own transform.
 _NOT_YET_DISTRIBUTED = {
-    "pipeline": "pipeline parallelism",
-    "sharding": "ZeRO sharding",
     "tensor_parallel": "tensor parallelism",
     "asp": "2:4 structured sparsity (ASP)",
     "qat": "quantization-aware training",
@@ -41,8 +39,6 @@ _NOT_YET_DISTRIBUTED = {
     "auto_search": "automatic parallel search",
 }
 _NOT_YET_AUTO = {
-    "sharding": "ZeRO sharding",
-    "pipeline": "pipeline parallelism",
     "fused_passes": "fused passes",
 }
 # Knobs that only tune performance; mapping them onto XLA flags is not done yet.
@@ -101,11 +97,7 @@ def check_supported(strategy: DistributedStrategy | Strategy) -> None:
         if getattr(strategy, name):
             raise _unsupported(what, f"DistributedStrategy.{name}=True")
     degrees = strategy.hybrid_configs
-    for key, what in (
-        ("sharding_degree", "ZeRO sharding"),
-        ("pp_degree", "pipeline parallelism"),
-        ("mp_degree", "tensor parallelism"),
-    ):
+    for key, what in (("mp_degree", "tensor parallelism"),):
         if degrees[key] > 1:
             raise _unsupported(what, f"hybrid_configs.{key}={degrees[key]}")
     if strategy.gradient_scale_configs["scale_strategy"] != "avg":

@@ -36,10 +36,12 @@ from fleetjax.mesh import (
     mesh_from_strategy,
     replicated,
     strategy_degrees,
+    zero_spec,
 )
 from fleetjax.optimizers import DistributedOptimizer, optimizer_for_strategy
 from fleetjax.strategy import DistributedStrategy, Strategy
 from fleetjax.transforms import amp, grad_allreduce, gradient_merge, recompute
+from fleetjax.transforms.pipeline import PipelineLayer, PipelineParams, pipeline, to_pipeline_order
 
 LossFn = Callable[..., Any]
 GradFn = Callable[..., tuple[tuple[jax.Array, dict[str, Any]], Any]]
@@ -81,8 +83,19 @@ class TrainStep:
         mesh: Mesh,
         has_aux: bool,
         has_rng: bool,
+        param_specs: Any = None,
     ) -> None:
+        if plan.pipeline is not None:
+            if not isinstance(loss_fn, PipelineLayer):
+                raise TypeError(
+                    "the strategy asks for a pipeline, which needs the model cut into stages: "
+                    "pass fleetjax.PipelineLayer(embed, stage, head_loss) as the loss, with "
+                    f"PipelineParams, not {type(loss_fn).__name__}"
+                )
+            if has_aux or has_rng:
+                raise ValueError("the pipeline takes no aux outputs or PRNG keys yet")
         self.loss_fn = loss_fn
+        self.param_specs = param_specs
         self.strategy = strategy
         self.plan = plan
         self.mesh = mesh
@@ -96,6 +109,7 @@ class TrainStep:
         self._axes = data_axes(mesh)
         self._replicas = data_parallel_size(mesh)
         self.state_sharding: TrainState | None = None  # known once a state is seen
+        self.abstract_state: TrainState | None = None  # shapes and dtypes, likewise
         self._step: Any = None
         # XLA:CPU runs simulated devices' collectives on a shared thread pool; with several
         # steps queued, device threads of a later step can take the pool while an all-reduce of
@@ -104,20 +118,69 @@ class TrainStep:
         self._one_at_a_time = mesh.devices.flat[0].platform == "cpu" and mesh.devices.size > 1
 
     def _state_shardings(self, state: Any) -> TrainState:
-        """Where each part of a state (real or abstract) lives."""
-        rep = replicated(self.mesh)
-        stacked = NamedSharding(self.mesh, PartitionSpec(self._axes))
+        """Where each part of a state (real or abstract) lives: parameters and optimizer
+        state as the ZeRO stage says (`zero_spec`, over `param_specs`), or, under DGC and
+        LocalSGD, stacked per replica. Also sets the gradients' placement."""
+        mesh, plan = self.mesh, self.plan
+        rep = replicated(mesh)
+        is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+        shard = lambda spec, memory="device": NamedSharding(mesh, spec, memory_kind=memory)  # noqa: E731
+        if plan.per_replica:
+            stacked = shard(PartitionSpec(self._axes))
+            params = jax.tree.map(lambda _: stacked if plan.replica_params else rep, state.params)
+            opt_state = jax.tree.map(lambda _: stacked, state.opt_state)
+            self._grad_sharding = None
+        else:
+            specs = self._param_specs(state.params)
+            zero = specs
+            if plan.sharding_stage:
+                zero = jax.tree.map(
+                    lambda spec, x: zero_spec(spec, x.shape, mesh),
+                    specs,
+                    state.params,
+                    is_leaf=is_spec,
+                )
+            opt_specs = optax.tree_utils.tree_map_params(
+                self.optimizer,
+                lambda _, spec: spec,
+                state.opt_state,
+                zero,
+                transform_non_params=lambda _: PartitionSpec(),
+                is_leaf=is_spec,
+            )
+            memory = "pinned_host" if plan.optimizer_offload else "device"
+            opt_state = jax.tree.map(lambda spec: shard(spec, memory), opt_specs, is_leaf=is_spec)
+            params = jax.tree.map(
+                shard, zero if plan.sharding_stage == 3 else specs, is_leaf=is_spec
+            )
+            self._grad_specs = zero if plan.sharding_stage >= 2 else specs
+            self._grad_sharding = jax.tree.map(shard, self._grad_specs, is_leaf=is_spec)
         return TrainState(
             step=rep,
-            params=stacked if self.plan.replica_params else rep,
-            opt_state=stacked if self.plan.per_replica else rep,
+            params=params,
+            opt_state=opt_state,
             rng=rep,
             loss_scale=None if state.loss_scale is None else rep,
         )
 
+    def _param_specs(self, params: Any) -> Any:
+        """The parameters' placement over the non-data axes: `param_specs` (default
+        replicated), with a pipeline's stacked layers split over `pp` on their leading axis."""
+        specs = self.param_specs
+        if specs is None:
+            specs = jax.tree.map(lambda _: PartitionSpec(), params)
+        if self.plan.pipeline is None:
+            return specs
+        by_stage = lambda spec: PartitionSpec("pp", *tuple(spec)[1:])  # noqa: E731
+        layers = jax.tree.map(
+            by_stage, specs.layers, is_leaf=lambda x: isinstance(x, PartitionSpec)
+        )
+        return PipelineParams(specs.embed, layers, specs.head)
+
     def _compiled_step(self, state: Any) -> Any:
         if self._step is None:
             self.state_sharding = self._state_shardings(state)
+            self.abstract_state = jax.eval_shape(lambda s: s, state)
             self._step = jax.jit(
                 self._update,
                 in_shardings=(self.state_sharding, self.batch_sharding),
@@ -152,9 +215,46 @@ class TrainStep:
 
         return scaled
 
+    def _vpp_degree(self) -> int:
+        asked, model = self.plan.pipeline.vpp_degree, self.loss_fn.num_virtual_pipeline_stages
+        if asked > 1 and model > 1 and asked != model:
+            raise ValueError(
+                f"Strategy.pipeline.vpp_degree={asked} but the PipelineLayer has "
+                f"num_virtual_pipeline_stages={model}"
+            )
+        return max(asked, model)
+
+    def _pipeline_grad_fn(self, scale: jax.Array | None) -> GradFn:
+        """The pipeline's gradient function, with AMP applied to each of the model's parts."""
+        model, config = self.loss_fn, self.plan.pipeline
+        parts = (model.embed, model.stage, model.head_loss)
+        if self.plan.amp is not None:
+            parts = tuple(amp.autocast(f, self.plan.amp.policy) for f in parts)
+        embed, stage, head_loss = parts
+        if scale is not None:
+            head_loss = lambda p, x, b, f=head_loss: f(p, x, b) * scale  # noqa: E731
+        value_and_grad = pipeline(
+            embed,
+            stage,
+            head_loss,
+            mesh=self.mesh,
+            micro_batch_size=config.micro_batch_size,
+            accumulate_steps=config.accumulate_steps,
+            schedule_mode=config.schedule_mode,
+            vpp_degree=self._vpp_degree(),
+        )
+
+        def grad_fn(params: Any, batch: Any) -> tuple[tuple[jax.Array, Any], Any]:
+            loss, grads = value_and_grad(params, batch)
+            return (loss if scale is None else loss / scale, {}), grads
+
+        return grad_fn
+
     def _grad_fn(self, scale: jax.Array | None, local: bool = False) -> GradFn:
         """The gradient function: data parallel over the mesh, or, with `local`, of one
         device's own rows (inside the per-replica shard_map)."""
+        if self.plan.pipeline is not None:
+            return self._pipeline_grad_fn(scale)
         value_and_grad = jax.value_and_grad(self._loss(scale), has_aux=True)
 
         def grad_fn(params: Any, batch: Any, *rest: Any) -> tuple[tuple[jax.Array, Any], Any]:
@@ -162,7 +262,9 @@ class TrainStep:
             return (loss, aux), grads
 
         plan, axes = self.plan, self._axes
-        explicit = plan.allreduce_dtype is not None
+        zero2 = plan.sharding_stage >= 2 and "sharding" in axes and self.mesh.shape["sharding"] > 1
+        zero2 = zero2 and plan.pipeline is None  # the pipeline reduces over the data axes itself
+        explicit = plan.allreduce_dtype is not None or zero2
         if plan.gradient_merge is not None and plan.gradient_merge.in_step:
             # Inside a shard_map each device splits its own rows.
             inside = explicit or local
@@ -170,8 +272,14 @@ class TrainStep:
             merge = plan.gradient_merge
             grad_fn = gradient_merge.microbatched(grad_fn, merge.k_steps, merge.avg, micro)
         if explicit and not local:
-            reducer = grad_allreduce.mean_in(jnp.dtype(plan.allreduce_dtype))
-            grad_fn = grad_allreduce.data_parallel(grad_fn, self.mesh, axes, reducer)
+            if zero2:  # each device ends with only its shard of the reduced gradient
+                specs = jax.tree.map(
+                    _over(axes), self._grad_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+                )
+                reducer = grad_allreduce.scatter_mean(specs)
+            else:
+                reducer, specs = grad_allreduce.mean_in(jnp.dtype(plan.allreduce_dtype)), None
+            grad_fn = grad_allreduce.data_parallel(grad_fn, self.mesh, axes, reducer, specs)
         return grad_fn
 
     def _recompute_scope(self) -> contextlib.AbstractContextManager[Any]:
@@ -232,8 +340,16 @@ class TrainStep:
         scale = None if state.loss_scale is None else state.loss_scale.loss_scale
         with self._recompute_scope():
             (loss, aux), grads = self._grad_fn(scale)(state.params, batch, *rest)
+        # ZeRO-2/3: each device keeps its shard of the gradient (a reduce-scatter).
+        grads = jax.lax.with_sharding_constraint(grads, self._grad_sharding)
+        opt_state = state.opt_state
+        if self.plan.optimizer_offload:  # fetched from pinned host memory for the update
+            opt_state = jax.device_put(
+                opt_state,
+                jax.tree.map(lambda s: s.with_memory_kind("device"), self.state_sharding.opt_state),
+            )
         params, opt_state, loss_scale, extra = self._apply(
-            state.params, state.opt_state, state.loss_scale, loss, grads, lambda finite: finite
+            state.params, opt_state, state.loss_scale, loss, grads, lambda finite: finite
         )
         new_state = TrainState(state.step + 1, params, opt_state, state.rng, loss_scale)
         return new_state, {"loss": loss, **aux, **extra}
@@ -289,8 +405,18 @@ class TrainStep:
         """The initial state: `params` replicated over the mesh, a fresh optimizer state, and
         the step key from `seed` (an int, or raw key data)."""
         rng = jax.random.PRNGKey(seed) if isinstance(seed, int) else jnp.asarray(seed)
-        placed = jax.device_put((params, rng), replicated(self.mesh))
-        shardings = self._state_shardings(jax.eval_shape(self._initial_state, *placed))
+        if self.plan.pipeline is not None and self._vpp_degree() > 1:
+            # Stage s holds chunks s, s + P, ...: the layers are kept in that order (see
+            # fleetjax.transforms.pipeline.to_model_order to go back).
+            layers = to_pipeline_order(params.layers, self.mesh.shape["pp"], self._vpp_degree())
+            params = params._replace(layers=layers)
+        self.abstract_state = jax.eval_shape(self._initial_state, params, rng)
+        shardings = self._state_shardings(self.abstract_state)
+        # Each device receives only its part (under ZeRO-3, 1/N of each parameter).
+        params_in = shardings.params
+        if self.plan.replica_params:  # stacked per replica only inside init
+            params_in = jax.tree.map(lambda _: replicated(self.mesh), params)
+        placed = jax.device_put((params, rng), (params_in, replicated(self.mesh)))
         return jax.jit(self._initial_state, out_shardings=shardings)(*placed)
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
@@ -362,6 +488,20 @@ class TrainStep:
         return jax.tree_util.tree_map_with_path(check, batch)
 
 
+def _over(axes: tuple[str, ...]) -> Callable[[PartitionSpec], PartitionSpec]:
+    """`spec` with only the entries for mesh `axes` (what a shard_map over them sees)."""
+
+    def keep(spec: PartitionSpec) -> PartitionSpec:
+        def entry(e: Any) -> Any:
+            names = () if e is None else (e,) if isinstance(e, str) else tuple(e)
+            kept = tuple(a for a in names if a in axes)
+            return None if not kept else kept[0] if len(kept) == 1 else kept
+
+        return PartitionSpec(*(entry(e) for e in spec))
+
+    return keep
+
+
 def _check_mesh(mesh: Mesh, strategy: DistributedStrategy | Strategy) -> None:
     """`mesh` must use fleetjax's axis names and have the sizes the strategy asks for."""
     unknown = [a for a in mesh.axis_names if a not in AXES]
@@ -387,6 +527,7 @@ def make_train_step(
     *,
     has_aux: bool = False,
     has_rng: bool = False,
+    param_specs: Any = None,
 ) -> TrainStep:
     """A jitted training step for `loss_fn(params, batch)` under `strategy`.
 
@@ -404,6 +545,9 @@ def make_train_step(
       has_aux: whether `loss_fn` returns `(loss, aux_dict)`.
       has_rng: whether `loss_fn` takes a third argument, a fresh PRNG key each step (for
         dropout and the like), derived from `state.rng` and `state.step`.
+      param_specs: a pytree of `PartitionSpec`s like the parameters, over the mesh's `mp`
+        (and `pp`) axes: how parameters are split for tensor parallelism (default:
+        replicated). ZeRO adds the `sharding` axis on top.
 
     Raises:
       NotImplementedError: if the strategy turns on a feature this version cannot apply.
@@ -425,4 +569,4 @@ def make_train_step(
         optimizer = optimizer_for_strategy(
             user, strategy, data_parallel_size(mesh), data_axes(mesh)
         )
-    return TrainStep(loss_fn, optimizer, strategy, plan, mesh, has_aux, has_rng)
+    return TrainStep(loss_fn, optimizer, strategy, plan, mesh, has_aux, has_rng, param_specs)

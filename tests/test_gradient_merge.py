@@ -135,9 +135,12 @@ def test_microbatched_alone():
         microbatched(grad_fn, 0)
 
 
-def test_sharding_gradient_merge_acc_step_conflict():
+def test_sharding_gradient_merge_acc_step():
     s = merge(4)
     s.sharding = True
-    s.sharding_configs = {"gradient_merge_acc_step": 2}
-    with pytest.raises(NotImplementedError, match="ZeRO"):  # until sharding lands
+    s.sharding_configs = {"gradient_merge_acc_step": 2, "sharding_degree": 2}
+    with pytest.raises(ValueError, match="gradient_merge_configs.k_steps=4 but sharding_configs"):
         fleetjax.make_train_step(loss_fn, optax.sgd(0.1), s)
+    s.gradient_merge = False  # the sharding key alone merges across calls
+    step = fleetjax.make_train_step(loss_fn, optax.sgd(0.1), s)
+    assert step.plan.gradient_merge == fleetjax._plan.GradientMerge(2, True, False)

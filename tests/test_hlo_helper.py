@@ -49,3 +49,9 @@ def test_stablehlo_dtypes():
         ]
     )
     assert stablehlo_dtypes(region, "all_reduce") == {"bf16"}
+
+
+def test_result_bytes():
+    (one,) = collectives("%x = (f32[8,4]{1,0}, bf16[10]{0}) all-reduce(%a, %b)")
+    assert one.arrays == [("f32", (8, 4)), ("bf16", (10,))]
+    assert one.result_bytes == 8 * 4 * 4 + 10 * 2

@@ -192,8 +192,8 @@ class TestNothingIsSilentlyIgnored:
     @pytest.mark.parametrize(
         ("setting", "message"),
         [
-            ({"sharding": True}, "DistributedStrategy.sharding=True: ZeRO sharding is not"),
-            ({"pipeline": True}, "DistributedStrategy.pipeline=True"),
+            ({"asp": True}, "DistributedStrategy.asp=True: 2:4 structured sparsity"),
+            ({"qat": True}, "DistributedStrategy.qat=True: quantization-aware training"),
             ({"tensor_parallel": True}, "tensor parallelism"),
             ({"hybrid_configs": {"mp_degree": 2}}, "hybrid_configs.mp_degree=2: tensor"),
             ({"gradient_scale_configs": {"scale_strategy": "sum"}}, "scale_strategy='sum'"),
@@ -205,9 +205,6 @@ class TestNothingIsSilentlyIgnored:
             fleetjax.make_train_step(loss_fn, optax.sgd(0.1), s)
 
     def test_auto_parallel_sections_not_built_yet_raise(self):
-        s = fleetjax.Strategy({"sharding": {"enable": True, "degree": 2}})
-        with pytest.raises(NotImplementedError, match=r"Strategy.sharding.enable=True: ZeRO"):
-            fleetjax.make_train_step(loss_fn, optax.sgd(0.1), s)
         s = fleetjax.Strategy({"fused_passes": {"enable": True}})
         with pytest.raises(NotImplementedError, match=r"Strategy.fused_passes.enable=True"):
             fleetjax.make_train_step(loss_fn, optax.sgd(0.1), s)

@@ -9,15 +9,18 @@ from fleetjax.mesh._mesh import (
 )
 from fleetjax.mesh._placement import (
     DATA_AXES,
+    ZERO_MIN_ELEMENTS,
     batch_sharding,
     data_axes,
     data_parallel_size,
     replicated,
+    zero_spec,
 )
 
 __all__ = [
     "AXES",
     "DATA_AXES",
+    "ZERO_MIN_ELEMENTS",
     "DEFAULT_ORDER",
     "batch_sharding",
     "build_mesh",
@@ -26,4 +29,5 @@ __all__ = [
     "mesh_from_strategy",
     "replicated",
     "strategy_degrees",
+    "zero_spec",
 ]

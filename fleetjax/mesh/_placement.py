@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -27,3 +28,37 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 def replicated(mesh: Mesh) -> NamedSharding:
     """A full copy on every device."""
     return NamedSharding(mesh, PartitionSpec())
+
+
+# Tensors smaller than this stay whole under ZeRO: their shards would save less memory than the
+# collectives to rebuild them cost (biases, norms, scalars).
+ZERO_MIN_ELEMENTS = 4096
+
+
+def zero_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """`spec` with its largest dimension that splits evenly also split over the `sharding`
+    axis (ZeRO's placement rule).
+
+    A dimension no other axis splits is preferred; failing that, one already split (by `mp`)
+    whose size divides by both. Tensors under `ZERO_MIN_ELEMENTS` elements, or with no
+    dimension that divides, keep `spec`.
+    """
+    degree = mesh.shape.get("sharding", 1)
+    if degree == 1 or math.prod(shape) < ZERO_MIN_ELEMENTS:
+        return spec
+    entries = [*spec, *[None] * (len(shape) - len(spec))]
+    largest_first = sorted(range(len(shape)), key=lambda d: -shape[d])
+
+    def axes(entry: Any) -> tuple[str, ...]:
+        return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+    for already_split in (False, True):
+        for d in largest_first:
+            existing = axes(entries[d])
+            if bool(existing) != already_split:
+                continue
+            ways = math.prod(mesh.shape[a] for a in existing) * degree
+            if shape[d] % ways == 0:
+                entries[d] = (*existing, "sharding") if existing else "sharding"
+                return PartitionSpec(*entries)
+    return spec

@@ -1,8 +1,9 @@
 """Data-parallel gradient reduction made explicit, so the strategy controls what is sent.
 
 Under plain data parallelism XLA inserts the gradient all-reduce itself. Paddle's
-`fp16_allreduce` (and DGC and LocalSGD) change what is communicated, so the gradient is computed
-per device inside `jax.shard_map` over the data axes and reduced by a reducer:
+`fp16_allreduce` changes what is communicated, and ZeRO-2 must leave each device with only its
+shard of the reduced gradient (XLA:CPU would all-reduce and then slice), so the gradient is
+computed per device inside `jax.shard_map` over the data axes and reduced by a reducer:
 `reducer(local_grads, axes) -> grads`, run inside the shard_map, where each device holds the
 gradient of its own batch rows.
 """
@@ -40,14 +41,38 @@ def mean_in(dtype: Any) -> Reducer:
     return reduce
 
 
+def scatter_mean(specs: Any, axis: str = "sharding") -> Reducer:
+    """Average gradients over the data axes, leaving each device only its shard of those whose
+    `specs` (a pytree of `PartitionSpec`s like the gradients) split a dimension over `axis`: a
+    reduce-scatter over `axis` and an all-reduce over the other data axes (ZeRO-2)."""
+
+    def reduce(grads: Any, axes: tuple[str, ...]) -> Any:
+        replicas = jax.lax.psum(1, axes)
+
+        def one(g: jax.Array, spec: PartitionSpec) -> jax.Array:
+            g = g / replicas
+            dims = [d for d, entry in enumerate(spec) if entry == axis or axis in (entry or ())]
+            if not dims:
+                return jax.lax.psum(g, axes)
+            g = jax.lax.psum_scatter(g, axis, scatter_dimension=dims[0], tiled=True)
+            others = tuple(a for a in axes if a != axis)
+            return jax.lax.psum(g, others) if others else g
+
+        return jax.tree.map(one, grads, specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+    return reduce
+
+
 def data_parallel(
     grad_fn: Callable[..., tuple[tuple[jax.Array, Any], Any]],
     mesh: Mesh,
     axes: Sequence[str],
     reducer: Reducer,
+    grad_specs: Any = None,
 ) -> Callable[..., tuple[tuple[jax.Array, Any], Any]]:
     """`grad_fn(params, batch, *rest) -> ((loss, aux), grads)` with the gradients reduced by
-    `reducer` over the data `axes`.
+    `reducer` over the data `axes`; `grad_specs` says how the reduced gradients are split over
+    the data axes (a pytree of `PartitionSpec`s; default whole on every device).
 
     Inside, each device computes `grad_fn` on its rows of the batch; the loss and aux values are
     averaged over the replicas (they are means over equal shares of the batch). A PRNG key in
@@ -73,11 +98,12 @@ def data_parallel(
 
     def reduced(params: Any, batch: Any, *rest: Any) -> tuple[tuple[jax.Array, Any], Any]:
         specs = (PartitionSpec(), PartitionSpec(axes), *(PartitionSpec() for _ in rest))
+        out = PartitionSpec() if grad_specs is None else grad_specs
         return jax.shard_map(
             local,
             mesh=mesh,
             in_specs=specs,
-            out_specs=PartitionSpec(),
+            out_specs=((PartitionSpec(), PartitionSpec()), out),
             axis_names=manual,
         )(params, batch, *rest)
 

@@ -21,6 +21,7 @@ reduction over the data axes happens once, after the pipeline.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -37,6 +38,7 @@ from fleetjax.transforms._schedules import SCHEDULE_MODES, PipelineSchedule, pip
 
 __all__ = [
     "SCHEDULE_MODES",
+    "PipelineLayer",
     "PipelineParams",
     "PipelineSchedule",
     "pipeline",
@@ -62,6 +64,31 @@ class PipelineParams(NamedTuple):
     embed: Any
     layers: Any
     head: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineLayer:
+    """A model cut for pipeline parallelism (Paddle's `PipelineLayer`): ``embed`` -> ``stage``
+    once per layer -> ``head_loss``, on `PipelineParams`.
+
+    Called as a loss, ``model(params, batch)``, it runs the whole batch through the model on
+    its own, so the same model trains with or without a pipeline: `make_train_step` pipelines
+    it when the strategy asks for a pipeline (see `pipeline` for the functions' contracts).
+
+    Attributes:
+      num_virtual_pipeline_stages: model chunks per pipeline stage, for the "VPP" schedule
+        (Paddle's argument of the same name; `Strategy.pipeline.vpp_degree` sets it too).
+    """
+
+    embed: Callable[[Any, Any], Any]
+    stage: Callable[[Any, Any], Any]
+    head_loss: Callable[[Any, Any, Any], jax.Array]
+    num_virtual_pipeline_stages: int = 1
+
+    def __call__(self, params: PipelineParams, batch: Any) -> jax.Array:
+        x = self.embed(params.embed, batch)
+        x = lax.scan(lambda h, layer: (self.stage(layer, h), None), x, params.layers)[0]
+        return self.head_loss(params.head, x, batch)
 
 
 def to_pipeline_order(layers: Any, pp_degree: int, vpp_degree: int = 1) -> Any:

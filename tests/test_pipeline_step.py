@@ -1,0 +1,168 @@
+"""The pipeline inside make_train_step: the same numbers as the unpipelined model."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fleetjax
+from fleetjax import PipelineLayer, PipelineParams
+from fleetjax.transforms.pipeline import to_model_order
+
+LAYERS, WIDTH = 8, 32  # 8 x 32 x 32 layer weights: big enough for ZeRO to split
+
+
+def embed(p, batch):
+    return batch["x"] @ p["w"]
+
+
+def stage(p, h):
+    return h + jnp.tanh(h @ p["w"])
+
+
+def head_loss(p, h, batch):
+    return jnp.mean((h @ p["w"] - batch["y"]) ** 2)
+
+
+MODEL = PipelineLayer(embed, stage, head_loss)
+
+
+def make(seed=0, rows=16):
+    rng = np.random.RandomState(seed)
+    params = PipelineParams(
+        embed={"w": rng.randn(5, WIDTH).astype(np.float32) / 3},
+        layers={"w": rng.randn(LAYERS, WIDTH, WIDTH).astype(np.float32) / 8},
+        head={"w": rng.randn(WIDTH, 3).astype(np.float32) / 4},
+    )
+    batch = {"x": rng.randn(rows, 5).astype(np.float32), "y": rng.randn(rows, 3).astype(np.float32)}
+    return params, batch
+
+
+def pipelined(schedule="1F1B", pp=4, micro_batch_size=2, accumulate_steps=4, **extra):
+    s = fleetjax.DistributedStrategy(pipeline=True, **extra)
+    s.hybrid_configs = {"pp_degree": pp, **s.hybrid_configs.set_values()}
+    s.pipeline_configs = {
+        "schedule_mode": schedule,
+        "micro_batch_size": micro_batch_size,
+        "accumulate_steps": accumulate_steps,
+    }
+    return s
+
+
+def train(strategy, model=MODEL, tx=None, steps=2, rows=16, mesh=None):
+    params, _ = make()
+    step = fleetjax.make_train_step(model, tx or optax.sgd(0.1), strategy, mesh=mesh)
+    state = step.init(params)
+    losses = []
+    for seed in range(1, steps + 1):
+        state, metrics = step(state, make(seed, rows)[1])
+        losses.append(float(metrics["loss"]))
+    return step, state, losses
+
+
+def reference(tx=None, steps=2, rows=16):
+    return train(fleetjax.DistributedStrategy(), tx=tx, steps=steps, rows=rows)
+
+
+@pytest.mark.parametrize("schedule", ["FThenB", "F-then-B", "1F1B"])
+def test_pipelined_step_equals_the_plain_model(schedule):
+    step, state, losses = train(pipelined(schedule))  # dp=2 x pp=4
+    _, expected, expected_losses = reference()
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    chex.assert_trees_all_close(state.params, expected.params, rtol=1e-5, atol=1e-6)
+    assert state.params.layers["w"].sharding.spec[0] == "pp"
+    assert dict(step.mesh.shape) == {"dp": 2, "pp": 4, "sharding": 1, "mp": 1}
+
+
+def test_interleaved_vpp_keeps_layers_in_pipeline_order():
+    model = PipelineLayer(embed, stage, head_loss, num_virtual_pipeline_stages=2)
+    _, state, losses = train(pipelined("VPP"), model=model)
+    _, expected, expected_losses = reference()
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    layers = to_model_order(jax.device_get(state.params.layers), 4, 2)
+    chex.assert_trees_all_close(
+        layers, jax.device_get(expected.params.layers), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_with_zero_and_adam():
+    s = pipelined(sharding=True)
+    s.hybrid_configs = {"dp_degree": 1}
+    s.sharding_configs = {"stage": 2, "sharding_degree": 2, "pp_degree": 4}
+    _, state, losses = train(s, tx=optax.adam(1e-2))
+    _, expected, expected_losses = reference(tx=optax.adam(1e-2))
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    chex.assert_trees_all_close(state.params, expected.params, rtol=1e-5, atol=2e-5)
+    assert state.opt_state[0].mu.layers["w"].sharding.spec == jax.sharding.PartitionSpec(
+        "pp", "sharding", None
+    )
+
+
+def test_with_amp_and_recompute():
+    def marked_stage(p, h):
+        return fleetjax.recompute(stage)(p, h)
+
+    s = pipelined(amp=True)
+    s.amp_configs = {"dtype": "bfloat16"}
+    s.recompute, s.recompute_configs = True, {"policy": "nothing_saveable"}
+    _, _, losses = train(s, model=PipelineLayer(embed, marked_stage, head_loss))
+    _, _, expected_losses = reference()
+    np.testing.assert_allclose(losses, expected_losses, rtol=2e-2)
+
+
+def test_float16_loss_scaling_through_the_head():
+    s = pipelined(amp=True)
+    _, state, losses = train(s)
+    _, _, expected_losses = reference()
+    np.testing.assert_allclose(losses, expected_losses, rtol=2e-2)
+    assert float(state.loss_scale.loss_scale) == 32768.0
+
+
+def test_auto_parallel_strategy():
+    s = fleetjax.Strategy(
+        {"pipeline": {"enable": True, "pp_degree": 2, "micro_batch_size": 4, "accumulate_steps": 2}}
+    )
+    step, _, losses = train(s, rows=32)  # 4 data replicas x 4 rows x 2 micro-batches
+    np.testing.assert_allclose(losses, reference(rows=32)[2], rtol=1e-5)
+    assert step.mesh.shape["pp"] == 2
+
+
+class TestErrors:
+    def test_needs_a_pipeline_layer(self):
+        with pytest.raises(
+            TypeError, match=r"pass fleetjax.PipelineLayer\(embed, stage, head_loss\)"
+        ):
+            fleetjax.make_train_step(lambda p, b: 0.0, optax.sgd(0.1), pipelined())
+
+    def test_batch_size_is_checked_like_paddle(self):
+        params, batch = make(rows=24)
+        step = fleetjax.make_train_step(MODEL, optax.sgd(0.1), pipelined())
+        with pytest.raises(
+            ValueError, match="batch_size = 12, micro_batch_size = 2, accumulate_steps = 4"
+        ):
+            step(step.init(params), batch)
+
+    def test_schedules_not_built(self):
+        with pytest.raises(NotImplementedError, match="schedule_mode 'ZBH1' is not available"):
+            fleetjax.make_train_step(MODEL, optax.sgd(0.1), pipelined("ZBH1"))
+
+    def test_in_step_merge_clashes(self):
+        s = pipelined(gradient_merge=True)
+        s.gradient_merge_configs = {"k_steps": 2, "mode": "in_step"}
+        with pytest.raises(ValueError, match="does not combine with gradient merge in one call"):
+            fleetjax.make_train_step(MODEL, optax.sgd(0.1), s)
+
+    def test_no_aux(self):
+        with pytest.raises(ValueError, match="no aux outputs or PRNG keys"):
+            fleetjax.make_train_step(MODEL, optax.sgd(0.1), pipelined(), has_aux=True)
+
+    def test_the_model_alone_is_the_unpipelined_loss(self):
+        params, batch = make()
+        x = embed(params.embed, batch)
+        for i in range(LAYERS):
+            x = stage({"w": params.layers["w"][i]}, x)
+        assert float(MODEL(params, batch)) == pytest.approx(
+            float(head_loss(params.head, x, batch)), rel=1e-6
+        )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fleetjax import _support
+from fleetjax import _support, xla_flags
 from fleetjax.strategy import DistributedStrategy, Strategy
 from fleetjax.transforms import amp
 
@@ -209,6 +209,7 @@ def read_plan(strategy: DistributedStrategy | Strategy) -> Plan:
     """The `Plan` for `strategy`; raises for settings fleetjax cannot apply, warns once for
     settings without effect."""
     _support.check_supported(strategy)
+    xla_flags.warn_ignored(strategy)
     if isinstance(strategy, Strategy):
         merge = strategy.gradient_merge
         recompute = strategy.recompute

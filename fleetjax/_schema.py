@@ -46,6 +46,32 @@ DEFAULT_ORDER = ["dp", "pp", "sharding", "sep", "cp", "mp"]
 _PS = "parameter-server mode only; fleetjax trains in collective mode"
 _STATIC = "a Paddle static-graph executor setting; XLA compiles and schedules the whole step"
 
+_XLA_SCHEDULES = "XLA compiles the whole step into one program and schedules it itself"
+_XLA_BUFFERS = (
+    "XLA's buffer assignment already reuses buffers in place (and the train step "
+    "donates its state); there is nothing to switch"
+)
+_ATTENTION = (
+    "XLA does not rewrite attention into a fused kernel; call "
+    "jax.nn.dot_product_attention(..., implementation='cudnn') in the model"
+)
+_SPMD_SYNC = (
+    "SPMD keeps a replicated array identical on every device; there is nothing to "
+    "broadcast or synchronise"
+)
+_XLA_OVERLAP = "XLA's scheduler decides how communication overlaps computation"
+_XLA_LAYOUT = "XLA fuses kernels and lays out buffers itself"
+_XLA_FREES = "XLA frees each buffer as soon as the step no longer needs it"
+_PROFILER = "a Paddle timer; profile with jax.profiler"
+_SCHEDULE_HINT = "a hint for Paddle's pipeline scheduler; fleetjax's schedules are fixed tables"
+_RECOMPUTE_POLICY = (
+    "Paddle's recompute selection; choose what to keep with recompute 'checkpoints' or 'policy'"
+)
+_ZERO_EVEN = (
+    "ZeRO here splits every large tensor evenly over the sharding axis (zero_spec) "
+    "instead of assigning whole tensors to ranks"
+)
+
 _positive = at_least(1)
 _non_negative = at_least(0)
 _sparsity = Check(lambda v: 0 <= v < 1, "in [0, 1)")
@@ -97,8 +123,8 @@ RECOMPUTE_CONFIG = message(
         field(1, "checkpoints", str, []),
         field(2, "enable_offload", bool, False),
         field(3, "checkpoint_shape", int, [], check=_positive),
-        field(4, "enable_tuning", bool, False),
-        field(5, "refined_ops_patterns", REFINED_OPS_PATTERN, []),
+        field(4, "enable_tuning", bool, False, note=_RECOMPUTE_POLICY),
+        field(5, "refined_ops_patterns", REFINED_OPS_PATTERN, [], note=_RECOMPUTE_POLICY),
         # fleetjax: a named jax.checkpoint_policies policy, alone or with the checkpoints.
         field(1001, "policy", str, "", paddle=False, check=_remat_policy),
     ],
@@ -119,7 +145,13 @@ AMP_CONFIG = message(
         field(9, "custom_black_varnames", str, []),
         field(10, "use_pure_fp16", bool, False),
         field(11, "use_fp16_guard", bool, True),
-        field(12, "use_optimizer_fp16", bool, False),
+        field(
+            12,
+            "use_optimizer_fp16",
+            bool,
+            False,
+            note="not read by Paddle's fleet either; optimizer states stay float32",
+        ),
         field(13, "use_pure_bf16", bool, False),
         # fleetjax: the O1 half-precision dtype (Paddle's static O1 is float16 only).
         field(1001, "dtype", str, "float16", paddle=False, check=_half),
@@ -239,9 +271,22 @@ SHARDING_CONFIG = message(
             str,
             "segment_broadcast_MB",
             check=one_of("segment_broadcast_MB", "segment_anchors"),
+            note=(
+                "XLA groups the parameter all-gathers by size (segment_broadcast_MB maps to its "
+                "combine threshold), not by anchors"
+            ),
         ),
         field(2, "segment_broadcast_MB", float, 32.0, check=greater_than(0)),
-        field(3, "segment_anchors", str, []),
+        field(
+            3,
+            "segment_anchors",
+            str,
+            [],
+            note=(
+                "XLA groups the parameter all-gathers by size (segment_broadcast_MB maps to its "
+                "combine threshold), not by anchors"
+            ),
+        ),
         field(4, "sharding_degree", int, 8, check=_positive),
         field(5, "mp_degree", int, 1, check=_positive),
         field(6, "dp_degree", int, 1, check=_positive),
@@ -250,7 +295,13 @@ SHARDING_CONFIG = message(
         field(9, "optimize_offload", bool, False),
         field(10, "pp_allreduce_in_optimize", bool, False),
         field(11, "pp_degree", int, 1, check=_positive),
-        field(12, "optimize_cast", bool, False),
+        field(
+            12,
+            "optimize_cast",
+            bool,
+            False,
+            note="parameters stay float32 master weights; AMP casts them inside the step",
+        ),
         field(13, "_dp_as_optimizer_sharding", bool, False, note=_STATIC),
         field(14, "stage", int, 1, check=one_of(1, 2, 3)),
         field(15, "enable_tuning", bool, False, note=_STATIC),
@@ -262,19 +313,46 @@ MP_CONFIG = message(
     "MpConfig",
     "mp_configs",
     [
-        field(1, "sync_param", bool, True),
-        field(2, "sync_grad", bool, False),
-        field(3, "sync_moment", bool, False),
-        field(4, "sync_mode", str, "broadcast", check=one_of("broadcast", "average")),
-        field(5, "mp_async_allreduce", bool, False),
-        field(6, "mp_skip_c_identity", bool, False),
-        field(7, "mp_fused_linear_param_grad_add", bool, False),
-        field(8, "need_broadcast_data", bool, True),
-        field(9, "recompute_allgather", bool, False),
-        field(10, "sp_async_reduce_scatter", bool, False),
+        field(1, "sync_param", bool, True, note=_SPMD_SYNC),
+        field(2, "sync_grad", bool, False, note=_SPMD_SYNC),
+        field(3, "sync_moment", bool, False, note=_SPMD_SYNC),
+        field(
+            4, "sync_mode", str, "broadcast", check=one_of("broadcast", "average"), note=_SPMD_SYNC
+        ),
+        field(5, "mp_async_allreduce", bool, False, note=_XLA_OVERLAP),
+        field(6, "mp_skip_c_identity", bool, False, note=_XLA_LAYOUT),
+        field(7, "mp_fused_linear_param_grad_add", bool, False, note=_XLA_LAYOUT),
+        field(
+            8,
+            "need_broadcast_data",
+            bool,
+            True,
+            note="the train step places every batch on the mesh itself",
+        ),
+        field(
+            9,
+            "recompute_allgather",
+            bool,
+            False,
+            note="sequence parallelism, whose all-gather this recomputes, is not in fleetjax",
+        ),
+        field(
+            10,
+            "sp_async_reduce_scatter",
+            bool,
+            False,
+            note="sequence parallelism, whose reduce-scatter this overlaps, is not in fleetjax",
+        ),
         field(11, "nccl_config", NCCL_CONFIG, note=_NCCL_NOTE),
         # Python-only in Paddle (DistributedStrategy.sync_param_name).
-        field(1001, "sync_param_name", str, ["embedding", "layer_norm", ".b_"], paddle=False),
+        field(
+            1001,
+            "sync_param_name",
+            str,
+            ["embedding", "layer_norm", ".b_"],
+            paddle=False,
+            note=_SPMD_SYNC,
+        ),
     ],
 )
 
@@ -282,26 +360,43 @@ PP_CONFIG = message(
     "PpConfig",
     "pp_configs",
     [
-        field(1, "dp_comm_overlap", bool, False),
-        field(2, "delay_scale_loss", bool, False),
-        field(3, "enable_timer", bool, False),
-        field(4, "sharding_comm_overlap", bool, False),
-        field(5, "profiling", bool, False),
-        field(6, "release_gradients", bool, False),
-        field(7, "overlap_p2p_comm", bool, False),
-        field(8, "clear_every_step_cache", bool, False),
-        field(9, "use_batch_p2p_comm", bool, True),
-        field(10, "best_unbalanced_scheduler", bool, False),
-        field(11, "enable_offload_queue", bool, False),
-        field(12, "enable_dynamic_shape", bool, False),
-        field(13, "use_dualpipev", bool, False),
-        field(14, "forward_backward_overlap_scheduler", bool, False),
+        field(1, "dp_comm_overlap", bool, False, note=_XLA_OVERLAP),
+        field(
+            2,
+            "delay_scale_loss",
+            bool,
+            False,
+            note="the pipeline's loss is the exact mean over micro-batches whenever it is scaled",
+        ),
+        field(3, "enable_timer", bool, False, note=_PROFILER),
+        field(4, "sharding_comm_overlap", bool, False, note=_XLA_OVERLAP),
+        field(5, "profiling", bool, False, note=_PROFILER),
+        field(6, "release_gradients", bool, False, note=_XLA_FREES),
+        field(7, "overlap_p2p_comm", bool, False, note=_XLA_OVERLAP),
+        field(8, "clear_every_step_cache", bool, False, note=_XLA_FREES),
+        field(9, "use_batch_p2p_comm", bool, True, note=_XLA_OVERLAP),
+        field(10, "best_unbalanced_scheduler", bool, False, note=_SCHEDULE_HINT),
+        field(11, "enable_offload_queue", bool, False, note=_XLA_FREES),
+        field(12, "enable_dynamic_shape", bool, False, note="XLA compiles static shapes"),
+        field(
+            13,
+            "use_dualpipev",
+            bool,
+            False,
+            note=(
+                "the DualPipeV schedule is not in fleetjax; the pipeline runs "
+                "pipeline_configs.schedule_mode"
+            ),
+        ),
+        field(14, "forward_backward_overlap_scheduler", bool, False, note=_XLA_OVERLAP),
         field(15, "coll_nccl_config", NCCL_CONFIG, note=_NCCL_NOTE),
         field(16, "p2p_nccl_config", NCCL_CONFIG, note=_NCCL_NOTE),
         field(17, "shared_nccl_config", NCCL_CONFIG, note=_NCCL_NOTE),
-        field(18, "sync_param", bool, False),
-        field(19, "sync_moment", bool, False),
-        field(20, "sync_mode", str, "broadcast", check=one_of("broadcast", "average")),
+        field(18, "sync_param", bool, False, note=_SPMD_SYNC),
+        field(19, "sync_moment", bool, False, note=_SPMD_SYNC),
+        field(
+            20, "sync_mode", str, "broadcast", check=one_of("broadcast", "average"), note=_SPMD_SYNC
+        ),
     ],
 )
 
@@ -309,19 +404,41 @@ DYGRAPH_SHARDING_CONFIG = message(
     "DygraphShardingConfig",
     "hybrid_configs.sharding_configs",
     [
-        field(1, "tensor_fusion", bool, False),
-        field(2, "accumulate_steps", int, 1, check=_positive),
-        field(3, "comm_overlap", bool, False),
+        field(1, "tensor_fusion", bool, False, note=_XLA_LAYOUT),
+        field(
+            2,
+            "accumulate_steps",
+            int,
+            1,
+            check=_positive,
+            note="a hint that the user accumulates gradients; merge them with gradient_merge",
+        ),
+        field(3, "comm_overlap", bool, False, note=_XLA_OVERLAP),
         field(4, "split_param", bool, False),
-        field(5, "fuse_optimizer", bool, True),
-        field(6, "use_reduce_avg", bool, True),
+        field(5, "fuse_optimizer", bool, True, note=_XLA_LAYOUT),
+        field(
+            6,
+            "use_reduce_avg",
+            bool,
+            True,
+            note="the step averages gradients over the replicas in any case",
+        ),
         field(7, "comm_buffer_size_MB", int, 256, check=_positive),
-        field(8, "release_gradients", bool, False),
-        field(9, "free_grads_in_comm", bool, False),
-        field(10, "enable_fuse_optimizer_states", bool, False),
+        field(8, "release_gradients", bool, False, note=_XLA_FREES),
+        field(9, "free_grads_in_comm", bool, False, note=_XLA_FREES),
+        field(10, "enable_fuse_optimizer_states", bool, False, note=_XLA_LAYOUT),
         field(11, "nccl_config", NCCL_CONFIG, note=_NCCL_NOTE),
         field(12, "check_nccl_config", NCCL_CONFIG, note=_NCCL_NOTE),
-        field(13, "offload_opt_buffer_size", int, -1),
+        field(
+            13,
+            "offload_opt_buffer_size",
+            int,
+            -1,
+            note=(
+                "partial offload is not in fleetjax; sharding_configs.optimize_offload moves the "
+                "whole optimizer state"
+            ),
+        ),
     ],
 )
 
@@ -338,8 +455,10 @@ HYBRID_CONFIG = message(
         field(6, "mp_configs", MP_CONFIG),
         field(7, "pp_configs", PP_CONFIG),
         field(8, "sharding_configs", DYGRAPH_SHARDING_CONFIG),
-        field(9, "enable_optimizer_timer", bool, False),
-        field(10, "split_norm_comm", bool, False),
+        field(9, "enable_optimizer_timer", bool, False, note=_PROFILER),
+        field(
+            10, "split_norm_comm", bool, False, note="XLA reduces a global norm in one all-reduce"
+        ),
         field(11, "ep_degree", int, 1, check=_positive),
         field(12, "moe_sharding_degree", int, 1, check=_positive),
         field(13, "dp_configs", _comm_group("DpConfig", "dp_configs", "check_nccl_config")),
@@ -381,7 +500,13 @@ TENSOR_PARALLEL_CONFIG = message(
     "tensor_parallel_configs",
     [
         field(1, "tensor_parallel_degree", int, 1, check=_positive),
-        field(2, "tensor_init_seed", int, -1),
+        field(
+            2,
+            "tensor_init_seed",
+            int,
+            -1,
+            note="parameters come initialised from the user's code, with its own keys",
+        ),
     ],
 )
 
@@ -427,27 +552,55 @@ BUILD_STRATEGY = message(
     "BuildStrategy",
     "build_strategy",
     [
-        field(1, "enable_sequential_execution", bool, False, paddle=False),
+        field(1, "enable_sequential_execution", bool, False, paddle=False, note=_XLA_SCHEDULES),
         field(2, "fuse_elewise_add_act_ops", bool, False),
         field(3, "fuse_bn_act_ops", bool, False),
         field(4, "fuse_relu_depthwise_conv", bool, False),
         field(5, "fuse_broadcast_ops", bool, False),
         field(6, "fuse_all_optimizer_ops", bool, False),
-        field(7, "enable_inplace", bool, False),
-        field(8, "enable_backward_optimizer_op_deps", bool, True),
-        field(9, "cache_runtime_context", bool, False),
+        field(7, "enable_inplace", bool, False, note=_XLA_BUFFERS),
+        field(8, "enable_backward_optimizer_op_deps", bool, True, note=_XLA_SCHEDULES),
+        field(
+            9,
+            "cache_runtime_context",
+            bool,
+            False,
+            note=(
+                "a cache of Paddle's per-operator runtime context; a compiled XLA program has none"
+            ),
+        ),
         field(10, "fuse_bn_add_act_ops", bool, True),
         field(11, "enable_auto_fusion", bool, False),
-        field(12, "enable_addto", bool, False),
-        field(13, "fix_op_run_order", bool, False, paddle=False),
+        field(12, "enable_addto", bool, False, note=_XLA_BUFFERS),
+        field(13, "fix_op_run_order", bool, False, paddle=False, note=_XLA_SCHEDULES),
         field(14, "allow_cuda_graph_capture", bool, False),
-        field(15, "reduce_strategy", int, 0, check=one_of(0, 1, 2)),
+        field(
+            15,
+            "reduce_strategy",
+            int,
+            0,
+            check=one_of(0, 1, 2),
+            note=(
+                "Paddle's Reduce mode gives each parameter's update to one device; in fleetjax "
+                "that is ZeRO sharding (DistributedStrategy.sharding), and gradients are always "
+                "all-reduced"
+            ),
+        ),
         field(16, "fuse_gemm_epilogue", bool, False),
         field(17, "debug_graphviz_path", str, ""),
-        field(18, "fused_attention", bool, False),
+        field(18, "fused_attention", bool, False, note=_ATTENTION),
         field(19, "fused_feedforward", bool, False),
-        field(20, "fuse_dot_product_attention", bool, False),
-        field(21, "fuse_resunit", bool, False),
+        field(20, "fuse_dot_product_attention", bool, False, note=_ATTENTION),
+        field(
+            21,
+            "fuse_resunit",
+            bool,
+            False,
+            note=(
+                "cuDNN's fused ResNet-unit kernel (convolution, batch norm, add, ReLU); XLA has "
+                "no such rewrite (it fuses the elementwise parts itself)"
+            ),
+        ),
     ],
 )
 
@@ -455,10 +608,36 @@ EXECUTION_STRATEGY = message(
     "ExecutionStrategy",
     "execution_strategy",
     [
-        field(1, "num_threads", int, 1, check=_positive),
-        field(2, "num_iteration_per_drop_scope", int, 10, check=_positive),
+        field(
+            1,
+            "num_threads",
+            int,
+            1,
+            check=_positive,
+            note=(
+                "the thread pool of Paddle's executor; XLA runs each step as one program with its"
+                " own threads"
+            ),
+        ),
+        field(
+            2,
+            "num_iteration_per_drop_scope",
+            int,
+            10,
+            check=_positive,
+            note=(
+                "how often Paddle's executor frees its scope of temporaries; XLA frees a step's "
+                "temporaries when the step ends"
+            ),
+        ),
         field(3, "num_iteration_per_run", int, 3, check=_positive, paddle_default=1),
-        field(4, "use_thread_barrier", bool, False),
+        field(
+            4,
+            "use_thread_barrier",
+            bool,
+            False,
+            note="a barrier between Paddle's executor threads; XLA has no executor threads",
+        ),
     ],
 )
 
@@ -467,7 +646,16 @@ GRADIENT_SCALE_CONFIG = message(
     "gradient_scale_configs",
     [
         field(1, "scale_strategy", str, "avg", check=one_of("avg", "sum", "customized")),
-        field(2, "scale_gradient", bool, False),
+        field(
+            2,
+            "scale_gradient",
+            bool,
+            False,
+            note=(
+                "the step averages gradients over the replicas; scale_strategy selects anything "
+                "else"
+            ),
+        ),
     ],
 )
 
@@ -489,30 +677,107 @@ DISTRIBUTED_STRATEGY = message(
         field(10, "elastic", bool, False),
         field(11, "auto", bool, False),
         field(12, "a_sync", bool, True, note=_PS),
-        field(13, "sync_nccl_allreduce", bool, True),
-        field(14, "nccl_comm_num", int, 1, check=_positive),
+        field(
+            13,
+            "sync_nccl_allreduce",
+            bool,
+            True,
+            note=(
+                "Paddle waits on the NCCL stream after each all-reduce; XLA orders its "
+                "collectives and the computation itself"
+            ),
+        ),
+        field(
+            14,
+            "nccl_comm_num",
+            int,
+            1,
+            check=_positive,
+            note=(
+                "the number of NCCL communicators Paddle opens per group; XLA creates its own "
+                "(tune NCCL with its NCCL_* environment variables)"
+            ),
+        ),
         field(15, "use_hierarchical_allreduce", bool, False),
         field(16, "hierarchical_allreduce_inter_nranks", int, 1, check=_positive),
         field(17, "sync_batch_norm", bool, False),
         field(18, "fuse_all_reduce_ops", bool, True),
         field(19, "fuse_grad_size_in_MB", int, 32, check=_non_negative),
         field(
-            20, "fuse_grad_size_in_TFLOPS", float, 20.0, check=_non_negative, paddle_default=50.0
+            20,
+            "fuse_grad_size_in_TFLOPS",
+            float,
+            20.0,
+            check=_non_negative,
+            paddle_default=50.0,
+            note=(
+                "Paddle caps its gradient fusion groups by layer count; XLA combines by size "
+                "(fuse_grad_size_in_MB) and by count of collectives (fuse_grad_size_in_num)"
+            ),
         ),
         field(21, "cudnn_exhaustive_search", bool, True, paddle_default=False),
-        field(22, "conv_workspace_size_limit", int, 4000, check=_non_negative, paddle_default=512),
-        field(23, "cudnn_batchnorm_spatial_persistent", bool, True, paddle_default=False),
+        field(
+            22,
+            "conv_workspace_size_limit",
+            int,
+            4000,
+            check=_non_negative,
+            paddle_default=512,
+            note=(
+                "a cap on cuDNN's convolution workspace; XLA picks convolution algorithms and "
+                "their workspace itself, and this jaxlib has no flag to cap it"
+            ),
+        ),
+        field(
+            23,
+            "cudnn_batchnorm_spatial_persistent",
+            bool,
+            True,
+            paddle_default=False,
+            note=(
+                "a cuDNN batch-norm mode; JAX computes batch norm from reductions that XLA fuses,"
+                " with no cuDNN batch-norm call to configure"
+            ),
+        ),
         field(24, "adaptive_localsgd", bool, False),
         field(25, "fp16_allreduce", bool, False),
         field(26, "sharding", bool, False),
-        field(27, "last_comm_group_size_MB", float, 1.0, check=greater_than(0)),
-        field(28, "find_unused_parameters", bool, False),
+        field(
+            27,
+            "last_comm_group_size_MB",
+            float,
+            1.0,
+            check=greater_than(0),
+            note=(
+                "the size of the last gradient bucket of Paddle's DataParallel; XLA's all-reduce "
+                "combiner has one threshold for all (fuse_grad_size_in_MB)"
+            ),
+        ),
+        field(
+            28,
+            "find_unused_parameters",
+            bool,
+            False,
+            note=(
+                "Paddle's DataParallel searches the graph for parameters without gradients; JAX's"
+                " autodiff gives them zero gradients"
+            ),
+        ),
         field(29, "tensor_parallel", bool, False),
         field(30, "without_graph_optimization", bool, True, note=_STATIC),
         field(31, "fuse_grad_size_in_num", int, 8, check=_positive),
         field(32, "calc_comm_same_stream", bool, False),
         field(33, "asp", bool, False),
-        field(34, "fuse_grad_merge", bool, False),
+        field(
+            34,
+            "fuse_grad_merge",
+            bool,
+            False,
+            note=(
+                "Paddle fuses its gradient-merge buffers for communication; XLA lays out all "
+                "buffers itself"
+            ),
+        ),
         field(35, "semi_auto", bool, False),
         field(36, "adam_d2sum", bool, False, note=_PS),
         field(37, "auto_search", bool, False),
@@ -556,19 +821,45 @@ AUTO_SHARDING = message(
         field(1, "enable", bool, False),
         field(2, "stage", int, 1, check=one_of(1, 2, 3)),
         field(3, "degree", int, 8, check=_positive),
-        field(4, "enable_overlap", bool, False),
-        field(5, "param_comm_stream_num", int, 1, check=_positive),
-        field(6, "grad_comm_stream_num", int, 1, check=_positive),
-        field(7, "param_bucket_size_numel", int, 1, check=_positive),
-        field(8, "grad_bucket_size_numel", int, 1, check=_positive),
-        field(9, "enable_hierarchical_comm", bool, False),
-        field(10, "partition_algor", str, "greedy_even"),
+        field(4, "enable_overlap", bool, False, note=_XLA_OVERLAP),
+        field(5, "param_comm_stream_num", int, 1, check=_positive, note=_XLA_OVERLAP),
+        field(6, "grad_comm_stream_num", int, 1, check=_positive, note=_XLA_OVERLAP),
+        field(
+            7,
+            "param_bucket_size_numel",
+            int,
+            1,
+            check=_positive,
+            note="XLA combines collectives by bytes (comm_buffer_size_MB), not by element count",
+        ),
+        field(
+            8,
+            "grad_bucket_size_numel",
+            int,
+            1,
+            check=_positive,
+            note="XLA combines collectives by bytes (comm_buffer_size_MB), not by element count",
+        ),
+        field(
+            9,
+            "enable_hierarchical_comm",
+            bool,
+            False,
+            note="NCCL picks hierarchical algorithms itself (NCCL_ALGO)",
+        ),
+        field(10, "partition_algor", str, "greedy_even", note=_ZERO_EVEN),
         field(11, "enable_tuning", bool, False, note=_STATIC),
-        field(12, "tuning_range", int, []),
-        field(13, "release_gradients", bool, False),
+        field(12, "tuning_range", int, [], note="there is no sharding tuner in fleetjax"),
+        field(13, "release_gradients", bool, False, note=_XLA_FREES),
         field(14, "comm_buffer_size_MB", int, 256, check=_positive),
-        field(15, "enable_tensor_fusion", bool, False),
-        field(16, "save_unbalanced_param", bool, True),
+        field(15, "enable_tensor_fusion", bool, False, note=_XLA_LAYOUT),
+        field(
+            16,
+            "save_unbalanced_param",
+            bool,
+            True,
+            note="checkpoints hold whole arrays (orbax), whatever the placement",
+        ),
     ],
 )
 
@@ -602,17 +893,33 @@ AUTO_PIPELINE = message(
         field(2, "schedule_mode", str, "1F1B", check=one_of(*SCHEDULE_MODES)),
         field(3, "pp_degree", int, 1, check=_positive),
         field(4, "vpp_degree", int, 1, check=_positive),
-        field(5, "vpp_seg_method", str, ""),
+        field(5, "vpp_seg_method", str, "", note="the PipelineLayer defines its stages"),
         field(6, "micro_batch_size", int, 1, check=_positive),
         field(7, "accumulate_steps", int, 1, check=_positive),
-        field(8, "generation_batch_size", int, 1, check=_positive),
-        field(9, "enable_send_recv_overlap", bool, False),
-        field(10, "job_schedule_profiler_start", int, -1),
-        field(11, "job_schedule_profiler_stop", int, -1),
-        field(12, "program_runtimes", int, [61, 72, 71, 34, 3]),
-        field(13, "memory_limit_times", int, -1),
-        field(14, "split_backward", bool, False),
-        field(15, "auto_parallel_sync_shared_params", bool, False),
+        field(
+            8,
+            "generation_batch_size",
+            int,
+            1,
+            check=_positive,
+            note="generation is not in fleetjax",
+        ),
+        field(9, "enable_send_recv_overlap", bool, False, note=_XLA_OVERLAP),
+        field(10, "job_schedule_profiler_start", int, -1, note=_PROFILER),
+        field(11, "job_schedule_profiler_stop", int, -1, note=_PROFILER),
+        field(12, "program_runtimes", int, [61, 72, 71, 34, 3], note=_SCHEDULE_HINT),
+        field(13, "memory_limit_times", int, -1, note=_SCHEDULE_HINT),
+        field(
+            14,
+            "split_backward",
+            bool,
+            False,
+            note=(
+                "the zero-bubble split of the backward pass is not in fleetjax; the schedule_mode"
+                " runs"
+            ),
+        ),
+        field(15, "auto_parallel_sync_shared_params", bool, False, note=_SPMD_SYNC),
     ],
 )
 
@@ -645,9 +952,9 @@ AUTO_RECOMPUTE = message(
     [
         field(1, "enable", bool, False),
         field(2, "checkpoints", str, []),
-        field(3, "no_recompute_segments", int, []),
-        field(4, "sr", int, 0, check=_non_negative),
-        field(5, "refined_ops_patterns", REFINED_OPS_PATTERN, []),
+        field(3, "no_recompute_segments", int, [], note=_RECOMPUTE_POLICY),
+        field(4, "sr", int, 0, check=_non_negative, note=_RECOMPUTE_POLICY),
+        field(5, "refined_ops_patterns", REFINED_OPS_PATTERN, [], note=_RECOMPUTE_POLICY),
         field(6, "enable_tuning", bool, False, note=_STATIC),
         field(7, "policy", str, "", check=_remat_policy),
     ],

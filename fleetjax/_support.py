@@ -31,37 +31,19 @@ def warn_once(message: str) -> None:
 
 # Switches that change the computation; each is implemented by its own transform.
 _NOT_YET_DISTRIBUTED = {
-    "tensor_parallel": "tensor parallelism",
     "asp": "2:4 structured sparsity (ASP)",
     "qat": "quantization-aware training",
     "auto": "the automatic parallel planner",
     "semi_auto": "semi-automatic parallelism",
     "auto_search": "automatic parallel search",
 }
-_NOT_YET_AUTO = {
-    "fused_passes": "fused passes",
-}
-# Knobs that only tune performance; mapping them onto XLA flags is not done yet.
+_NOT_YET_AUTO: dict[str, str] = {}
+# Knobs that only tune performance and that this version neither maps nor explains yet.
 _PERFORMANCE_ONLY = (
-    "sync_nccl_allreduce",
-    "nccl_comm_num",
     "use_hierarchical_allreduce",
     "hierarchical_allreduce_inter_nranks",
-    "fuse_all_reduce_ops",
-    "fuse_grad_size_in_MB",
-    "fuse_grad_size_in_TFLOPS",
-    "cudnn_exhaustive_search",
-    "conv_workspace_size_limit",
-    "cudnn_batchnorm_spatial_persistent",
-    "last_comm_group_size_MB",
-    "find_unused_parameters",
-    "fuse_grad_size_in_num",
-    "calc_comm_same_stream",
-    "fuse_grad_merge",
     "elastic",
     "split_data",
-    "build_strategy",
-    "execution_strategy",
 )
 
 
@@ -77,10 +59,12 @@ def _noted_fields(message: Message, prefix: str = "") -> Iterator[tuple[str, str
     for f in message._spec.fields:
         value = message._get(f.name)
         path = prefix + f.name
-        if isinstance(value, Message):
+        if f.note:
+            changed = value.non_defaults() if isinstance(value, Message) else None
+            if changed or (changed is None and message._plain(f.name) != f.default):
+                yield path, f.note
+        elif isinstance(value, Message):
             yield from _noted_fields(value, path + ".")
-        elif f.note and message._plain(f.name) != f.default:
-            yield path, f.note
 
 
 def check_supported(strategy: DistributedStrategy | Strategy) -> None:
@@ -96,10 +80,14 @@ def check_supported(strategy: DistributedStrategy | Strategy) -> None:
     for name, what in _NOT_YET_DISTRIBUTED.items():
         if getattr(strategy, name):
             raise _unsupported(what, f"DistributedStrategy.{name}=True")
-    degrees = strategy.hybrid_configs
-    for key, what in (("mp_degree", "tensor parallelism"),):
-        if degrees[key] > 1:
-            raise _unsupported(what, f"hybrid_configs.{key}={degrees[key]}")
+    if (
+        strategy.execution_strategy.num_iteration_per_run != 3
+        and strategy.execution_strategy.is_set("num_iteration_per_run")
+    ):
+        warn_once(
+            "DistributedStrategy.execution_strategy.num_iteration_per_run (several steps per "
+            "call) is not applied by this version of fleetjax; each call runs one step"
+        )
     if strategy.gradient_scale_configs["scale_strategy"] != "avg":
         raise _unsupported(
             "gradient scaling other than the mean over replicas",

@@ -9,6 +9,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest
 
+import fleetjax
 from fleetjax import _support
 
 
@@ -17,3 +18,16 @@ def _fresh_warnings():
     """Each test sees each once-per-process strategy warning anew."""
     _support._warned.clear()
     yield
+
+
+@pytest.fixture
+def every_flag_strategy() -> fleetjax.DistributedStrategy:
+    """A DistributedStrategy setting every knob that maps to an XLA flag."""
+    return fleetjax.DistributedStrategy(
+        fuse_grad_size_in_MB=16,
+        fuse_grad_size_in_num=4,
+        cudnn_exhaustive_search=False,
+        calc_comm_same_stream=True,
+        hybrid_configs={"sharding_configs": {"comm_buffer_size_MB": 64}},
+        build_strategy={"fuse_gemm_epilogue": True, "debug_graphviz_path": "/tmp/graphs"},
+    )

@@ -10,7 +10,8 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from fleetjax import checkpoint, export
+from fleetjax import checkpoint, export, xla_flags
+from fleetjax._plan import read_plan
 from fleetjax.fleet._util import UtilBase
 from fleetjax.fleet.role_maker import JaxProcessRoleMaker, PaddleCloudRoleMaker, RoleMakerBase
 from fleetjax.mesh import mesh_from_strategy
@@ -37,6 +38,7 @@ class Fleet:
         self._role: RoleMakerBase | None = None
         self._strategy: DistributedStrategy | Strategy | None = None
         self._mesh: Mesh | None = None
+        self._xla_flags: tuple[xla_flags.Flag, ...] = ()  # what init put in effect
         self.util = UtilBase(self)
 
     # -- set-up ---------------------------------------------------------------------------
@@ -47,7 +49,11 @@ class Fleet:
         strategy: DistributedStrategy | Strategy | None = None,
         log_level: int | str = "INFO",
     ) -> Fleet:
-        """Set up this process: its role, `jax.distributed` if several processes, the mesh.
+        """Set up this process: the XLA flags the strategy maps to, its role,
+        `jax.distributed` if several processes, the mesh.
+
+        Call it before any JAX computation: XLA reads its flags (`fleetjax.xla_flags`) when JAX
+        starts its backend; flags that come later only warn.
 
         Args:
           role_maker: default `PaddleCloudRoleMaker()` (reads the `PADDLE_*` variables), or,
@@ -67,6 +73,16 @@ class Fleet:
             raise TypeError(f"is_collective must be bool, got {type(is_collective).__name__}")
         if not is_collective:
             raise NotImplementedError(_PS_ERROR.format("init(is_collective=False)"))
+        strategy = DistributedStrategy() if strategy is None else strategy
+        if not isinstance(strategy, (DistributedStrategy, Strategy)):
+            raise TypeError(
+                "strategy must be a fleetjax.DistributedStrategy or fleetjax.Strategy, "
+                f"got {type(strategy).__name__}"
+            )
+        # First: anything below may start JAX's backend (a role maker asking jax for the
+        # process index, the mesh), and XLA reads XLA_FLAGS only then.
+        self._xla_flags = xla_flags.apply(strategy)
+        read_plan(strategy)  # fail fast on settings fleetjax cannot apply; warn for no-ops
         if role_maker is None:
             from_jax = "PADDLE_TRAINER_ENDPOINTS" not in os.environ
             from_jax = from_jax and jax.distributed.is_initialized()
@@ -74,12 +90,6 @@ class Fleet:
         if not isinstance(role_maker, RoleMakerBase):
             raise TypeError(
                 f"role_maker must be a fleetjax role maker, got {type(role_maker).__name__}"
-            )
-        strategy = DistributedStrategy() if strategy is None else strategy
-        if not isinstance(strategy, (DistributedStrategy, Strategy)):
-            raise TypeError(
-                "strategy must be a fleetjax.DistributedStrategy or fleetjax.Strategy, "
-                f"got {type(strategy).__name__}"
             )
         logger.setLevel(log_level)
         if role_maker.is_distributed:
@@ -130,6 +140,7 @@ class Fleet:
                 "a strategy given to fleet.distributed_optimizer() replaces the one from "
                 "fleet.init(); pass it to fleet.init() instead"
             )
+            self._xla_flags = xla_flags.apply(strategy)
             self._mesh = mesh_from_strategy(strategy)
             self._strategy = strategy.__copy__()
         return distributed_optimizer(optimizer, self.strategy, self.mesh)

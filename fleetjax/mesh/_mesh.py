@@ -101,7 +101,13 @@ def strategy_degrees(strategy: DistributedStrategy | Strategy) -> dict[str, int]
             "mp": 1,
         }
     hybrid = strategy.hybrid_configs
-    for name in ("sep_degree", "cp_degree", "cp_sharding_degree", "ep_degree"):
+    for name in (
+        "sep_degree",
+        "cp_degree",
+        "cp_sharding_degree",
+        "ep_degree",
+        "moe_sharding_degree",
+    ):
         if hybrid[name] != 1:
             raise NotImplementedError(
                 f"hybrid_configs.{name}={hybrid[name]}: fleetjax's mesh has no such axis yet; "

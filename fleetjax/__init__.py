@@ -11,7 +11,7 @@ state = step.init(params)
 state, metrics = step(state, batch)
 """
 
-from fleetjax import checkpoint, export, fleet, mesh, optimizers, transforms
+from fleetjax import checkpoint, export, fleet, layers, mesh, optimizers, transforms, xla_flags
 from fleetjax._config import UnknownFieldError
 from fleetjax._explain import Explanation, explain
 from fleetjax._prototxt import PrototxtError
@@ -58,6 +58,7 @@ __all__ = [
     "export",
     "fleet",
     "fp16_guard",
+    "layers",
     "make_train_step",
     "mesh",
     "optimizers",
@@ -65,4 +66,5 @@ __all__ = [
     "recompute",
     "seed_default_differences",
     "transforms",
+    "xla_flags",
 ]

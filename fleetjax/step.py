@@ -27,7 +27,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from fleetjax import xla_flags
 from fleetjax._plan import Plan, read_plan
+from fleetjax.layers import partition_specs
 from fleetjax.mesh import (
     AXES,
     batch_sharding,
@@ -164,11 +166,19 @@ class TrainStep:
         )
 
     def _param_specs(self, params: Any) -> Any:
-        """The parameters' placement over the non-data axes: `param_specs` (default
+        """The parameters' placement over the non-data axes: `param_specs`, by default read from
+        the parameters' logical axis names (flax partitioning metadata; plain arrays are
         replicated), with a pipeline's stacked layers split over `pp` on their leading axis."""
         specs = self.param_specs
         if specs is None:
-            specs = jax.tree.map(lambda _: PartitionSpec(), params)
+            specs = partition_specs(params, mesh=self.mesh)
+        split = {a for s in jax.tree.leaves(specs, is_leaf=_is_spec) for a in _spec_axes(s)}
+        if self.mesh.shape.get("mp", 1) > 1 and "mp" not in split:
+            raise ValueError(
+                f"the mesh has an mp axis of size {self.mesh.shape['mp']}, but no parameter is "
+                "split over it, so every mp device would compute the same: give parameters "
+                "logical axis names (fleetjax.layers) or pass param_specs"
+            )
         if self.plan.pipeline is None:
             return specs
         by_stage = lambda spec: PartitionSpec("pp", *tuple(spec)[1:])  # noqa: E731
@@ -417,7 +427,8 @@ class TrainStep:
         if self.plan.replica_params:  # stacked per replica only inside init
             params_in = jax.tree.map(lambda _: replicated(self.mesh), params)
         placed = jax.device_put((params, rng), (params_in, replicated(self.mesh)))
-        return jax.jit(self._initial_state, out_shardings=shardings)(*placed)
+        with jax.set_mesh(self.mesh):
+            return jax.jit(self._initial_state, out_shardings=shardings)(*placed)
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         """One step on the global `batch` (host data is placed here; see `shard_batch`).
@@ -426,7 +437,9 @@ class TrainStep:
         scaling `"loss_scale"` and `"skipped"` (whether a non-finite gradient skipped it).
         On accelerators the call returns at once (JAX's asynchronous dispatch); on simulated
         CPU devices it returns when the step is done."""
-        out = self._compiled_step(state)(state, self.shard_batch(batch))
+        # Layers constrain activations by logical name against the ambient mesh.
+        with jax.set_mesh(self.mesh):
+            out = self._compiled_step(state)(state, self.shard_batch(batch))
         return jax.block_until_ready(out) if self._one_at_a_time else out
 
     def lower(self, state: TrainState, batch: Any) -> jax.stages.Lowered:
@@ -437,7 +450,8 @@ class TrainStep:
             ),
             self._checked_batch(batch),
         )
-        return self._compiled_step(state).lower(state, abstract)
+        with jax.set_mesh(self.mesh):
+            return self._compiled_step(state).lower(state, abstract)
 
     def shard_batch(self, batch: Any) -> Any:
         """`batch` as global arrays split over the data axes.
@@ -486,6 +500,15 @@ class TrainStep:
             return x
 
         return jax.tree_util.tree_map_with_path(check, batch)
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def _spec_axes(spec: PartitionSpec) -> tuple[str, ...]:
+    """The mesh axes a spec splits over."""
+    return tuple(a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e))
 
 
 def _over(axes: tuple[str, ...]) -> Callable[[PartitionSpec], PartitionSpec]:
@@ -546,7 +569,8 @@ def make_train_step(
       has_rng: whether `loss_fn` takes a third argument, a fresh PRNG key each step (for
         dropout and the like), derived from `state.rng` and `state.step`.
       param_specs: a pytree of `PartitionSpec`s like the parameters, over the mesh's `mp`
-        (and `pp`) axes: how parameters are split for tensor parallelism (default:
+        (and `pp`) axes: how parameters are split for tensor parallelism. Default: from the
+        parameters' logical axis names (`fleetjax.layers.partition_specs`; plain arrays are
         replicated). ZeRO adds the `sharding` axis on top.
 
     Raises:
@@ -558,6 +582,7 @@ def make_train_step(
         mesh = mesh if mesh is not None else optimizer.mesh
     strategy = strategy if strategy is not None else DistributedStrategy()
     plan = read_plan(strategy)
+    xla_flags.apply(strategy)  # before the mesh starts JAX's backend; fleet.init did it already
     if mesh is None:
         mesh = mesh_from_strategy(strategy)
     else:

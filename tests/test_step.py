@@ -194,8 +194,6 @@ class TestNothingIsSilentlyIgnored:
         [
             ({"asp": True}, "DistributedStrategy.asp=True: 2:4 structured sparsity"),
             ({"qat": True}, "DistributedStrategy.qat=True: quantization-aware training"),
-            ({"tensor_parallel": True}, "tensor parallelism"),
-            ({"hybrid_configs": {"mp_degree": 2}}, "hybrid_configs.mp_degree=2: tensor"),
             ({"gradient_scale_configs": {"scale_strategy": "sum"}}, "scale_strategy='sum'"),
         ],
     )
@@ -204,9 +202,15 @@ class TestNothingIsSilentlyIgnored:
         with pytest.raises(NotImplementedError, match=message):
             fleetjax.make_train_step(loss_fn, optax.sgd(0.1), s)
 
-    def test_auto_parallel_sections_not_built_yet_raise(self):
-        s = fleetjax.Strategy({"fused_passes": {"enable": True}})
-        with pytest.raises(NotImplementedError, match=r"Strategy.fused_passes.enable=True"):
+    def test_a_model_axis_with_nothing_split_over_it(self):
+        s = fleetjax.DistributedStrategy(hybrid_configs={"mp_degree": 2})
+        step = fleetjax.make_train_step(loss_fn, optax.sgd(0.1), s)
+        with pytest.raises(ValueError, match="an mp axis of size 2, but no parameter is split"):
+            step.init(make_params())
+
+    def test_a_fused_pass_without_enable_warns_as_paddle_ignores_it(self):
+        s = fleetjax.Strategy({"fused_passes": {"gemm_epilogue": True}})
+        with pytest.warns(fleetjax.StrategyWarning, match="only with fused_passes.enable=True"):
             fleetjax.make_train_step(loss_fn, optax.sgd(0.1), s)
 
     def test_merge_of_one_step_is_plain_training(self):
@@ -215,7 +219,10 @@ class TestNothingIsSilentlyIgnored:
 
     def test_performance_knobs_warn_once(self):
         s = fleetjax.DistributedStrategy(nccl_comm_num=2)
-        with pytest.warns(fleetjax.StrategyWarning, match="nccl_comm_num is a performance"):
+        with pytest.warns(
+            fleetjax.StrategyWarning,
+            match="nccl_comm_num has no effect in fleetjax: the number of NCCL",
+        ):
             fleetjax.make_train_step(loss_fn, optax.sgd(0.1), s)
         with warnings.catch_warnings():
             warnings.simplefilter("error")

@@ -1,0 +1,276 @@
+"""A small GPT built from fleetjax's Megatron layers, split over ``mp`` as Paddle's GPT is.
+
+Token embedding (`VocabParallelEmbedding`) plus learned positions; N pre-LayerNorm blocks of
+causal multi-head attention (q, k and v from one `ColumnParallelLinear`, heads split over
+``mp``; the output projection a `RowParallelLinear`) and an MLP (`ColumnParallelLinear` ->
+gelu -> `RowParallelLinear`); a final LayerNorm, a vocabulary-parallel output projection and
+`ParallelCrossEntropy`. Each block costs two all-reduces over ``mp`` in the forward pass.
+
+The blocks' parameters are stacked on a leading layer axis (logical name ``"layers"``) and run
+by a `lax.scan` whose body is marked with `fleetjax.recompute`; the model is also cut into
+``embed -> stage (once per layer) -> head_loss`` for `fleetjax.transforms.pipeline`:
+
+    gpt, params = make_gpt(GPTConfig(), seed=0)      # params: nested dicts of arrays
+    loss = gpt.loss_fn(params, {"tokens": tokens})   # tokens: int32[B, T + 1]
+    specs = gpt.partition_specs(mesh=mesh)           # PartitionSpecs like params
+    parts = gpt.pipeline_params(params)              # PipelineParams(embed, layers, head)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+import fleetjax
+from fleetjax.layers import (
+    ColumnParallelLinear,
+    LogicalRules,
+    ParallelCrossEntropy,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    constrain,
+    logical_param,
+    partition_specs,
+)
+from fleetjax.transforms.pipeline import PipelineParams
+
+Params = dict[str, Any]
+Batch = dict[str, jax.Array]
+
+# Activations are constrained by their trailing dimensions: the batch dimension keeps the
+# sharding it arrives with (over the data axes from the train step; under the pipeline, the
+# replicas' axis is split instead, and constraining the rows would reshuffle them).
+HIDDEN = ("activation_length", "activation_embed")  # the residual stream [batch, length, embed]
+HEADS = ("activation_length", "activation_heads", "activation_kv")  # q, k, v
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """The GPT's sizes (Paddle GPT's names where it has them).
+
+    Attributes:
+      vocab_size: tokens in the vocabulary (split over mp: a multiple of mp_degree).
+      max_position_embeddings: the longest sequence, T (tokens are [B, T + 1] at most).
+      hidden_size: the residual width.
+      num_attention_heads: heads; each mp device runs num_attention_heads / mp of them.
+      num_hidden_layers: transformer blocks.
+      intermediate_size: the MLP's hidden width (split over mp).
+      initializer_range: the std of the normal initial weights.
+      layer_norm_epsilon: the LayerNorms' epsilon (Paddle's 1e-5).
+    """
+
+    vocab_size: int = 128
+    max_position_embeddings: int = 16
+    hidden_size: int = 32
+    num_attention_heads: int = 4
+    num_hidden_layers: int = 2
+    intermediate_size: int = 128
+    initializer_range: float = 0.02
+    layer_norm_epsilon: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.type == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"GPTConfig.{field.name} must be an int, got {value!r}")
+            if value <= 0:
+                raise ValueError(f"GPTConfig.{field.name} must be positive, got {value!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"GPTConfig.hidden_size ({self.hidden_size}) must be a multiple of "
+                f"num_attention_heads ({self.num_attention_heads})"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+def _layer_norm(config: GPTConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    names = {"out_sharding": ("embed",), "eager_sharding": False}
+    return nnx.LayerNorm(
+        config.hidden_size,
+        epsilon=config.layer_norm_epsilon,
+        scale_metadata=names,
+        bias_metadata=names,
+        rngs=rngs,
+    )
+
+
+class Embed(nnx.Module):
+    """Token embedding (vocabulary split over mp) plus learned positions."""
+
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs) -> None:
+        init = nnx.initializers.normal(config.initializer_range)
+        self.word_embeddings = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, weight_init=init, rngs=rngs
+        )
+        self.position_embeddings = logical_param(
+            init,
+            (None, "embed"),
+            rngs.params(),
+            (config.max_position_embeddings, config.hidden_size),
+            jnp.float32,
+        )
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        longest = self.position_embeddings.shape[0]
+        if tokens.shape[-1] > longest:
+            raise ValueError(
+                f"sequences of {tokens.shape[-1]} tokens are longer than "
+                f"max_position_embeddings={longest}"
+            )
+        positions = self.position_embeddings[: tokens.shape[-1]]
+        return constrain(self.word_embeddings(tokens) + positions, HIDDEN)
+
+
+class Attention(nnx.Module):
+    """Causal multi-head attention with q, k, v from one column-parallel projection."""
+
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs) -> None:
+        init = nnx.initializers.normal(config.initializer_range)
+        self.config = config
+        width = config.hidden_size
+        self.qkv_proj = ColumnParallelLinear(
+            width, 3 * width, has_bias=True, gather_output=False, weight_init=init, rngs=rngs
+        )
+        self.out_proj = RowParallelLinear(
+            width, width, input_is_parallel=True, weight_init=init, rngs=rngs
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        batch, length, width = x.shape
+        heads, head_dim = self.config.num_attention_heads, self.config.head_dim
+        # Head-major columns [heads, (q, k, v), head_dim]: an mp device's contiguous block of
+        # columns holds whole heads, so attention needs no communication.
+        qkv = self.qkv_proj(x).reshape(batch, length, heads, 3, head_dim)
+        q, k, v = (constrain(qkv[..., i, :], HEADS) for i in range(3))
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head_dim)
+        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+        out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+        return self.out_proj(out.reshape(batch, length, width))
+
+
+class Block(nnx.Module):
+    """A pre-LayerNorm transformer block: two all-reduces over mp in the forward pass."""
+
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs) -> None:
+        init = nnx.initializers.normal(config.initializer_range)
+        self.ln_1 = _layer_norm(config, rngs)
+        self.attn = Attention(config, rngs=rngs)
+        self.ln_2 = _layer_norm(config, rngs)
+        self.fc_in = ColumnParallelLinear(
+            config.hidden_size,
+            config.intermediate_size,
+            has_bias=True,
+            gather_output=False,
+            weight_init=init,
+            rngs=rngs,
+        )
+        self.fc_out = RowParallelLinear(
+            config.intermediate_size,
+            config.hidden_size,
+            input_is_parallel=True,
+            weight_init=init,
+            rngs=rngs,
+        )
+
+    def __call__(self, h: jax.Array) -> jax.Array:
+        h = h + self.attn(self.ln_1(h))
+        h = h + self.fc_out(jax.nn.gelu(self.fc_in(self.ln_2(h)), approximate=False))
+        return constrain(h, HIDDEN)
+
+
+class Head(nnx.Module):
+    """Final LayerNorm, vocabulary-parallel logits and their parallel cross entropy."""
+
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs) -> None:
+        self.ln_f = _layer_norm(config, rngs)
+        self.lm_head = ColumnParallelLinear(
+            config.hidden_size,
+            config.vocab_size,
+            gather_output=False,
+            weight_init=nnx.initializers.normal(config.initializer_range),
+            rngs=rngs,
+        )
+        self.loss = ParallelCrossEntropy()
+
+    def __call__(self, h: jax.Array, labels: jax.Array) -> jax.Array:
+        """The mean next-token loss."""
+        return jnp.mean(self.loss(self.lm_head(self.ln_f(h)), labels))
+
+
+class GPT(nnx.Module):
+    """The GPT's parameters: ``embed``, ``blocks`` (stacked on a leading layer axis), ``head``.
+
+    Run it with the pure functions of `GPTFunctions` (see `make_gpt`).
+    """
+
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs) -> None:
+        self.config = config
+        self.embed = Embed(config, rngs=rngs)
+
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def blocks(rngs: nnx.Rngs) -> Block:
+            return Block(config, rngs=rngs)
+
+        self.blocks = blocks(rngs.split(config.num_hidden_layers))
+        self.head = Head(config, rngs=rngs)
+
+
+class GPTFunctions:
+    """The GPT as pure functions of plain parameter pytrees (nested dicts of arrays:
+    `nnx.to_pure_dict` of the model's state), for `jax.jit`, `fleetjax.make_train_step` and
+    `fleetjax.transforms.pipeline`."""
+
+    def __init__(self, model: GPT) -> None:
+        self.config = model.config
+        self._embed = nnx.graphdef(model.embed)
+        self._block = nnx.graphdef(nnx.eval_shape(lambda: Block(model.config, rngs=nnx.Rngs(0))))
+        self._head = nnx.graphdef(model.head)
+        self._state = nnx.eval_shape(lambda: nnx.state(model))  # shapes and logical names
+
+    def loss_fn(self, params: Params, batch: Batch) -> jax.Array:
+        """The mean next-token loss of ``batch["tokens"]`` (int32 [B, T + 1])."""
+        layer = fleetjax.recompute(self.stage)  # recomputed under a recompute strategy
+        h = self.embed(params["embed"], batch)
+        h, _ = jax.lax.scan(lambda h, p: (layer(p, h), None), h, params["blocks"])
+        return self.head_loss(params["head"], h, batch)
+
+    def embed(self, embed_params: Params, batch: Batch) -> jax.Array:
+        """Tokens ``[:, :-1]`` to the residual stream [B, T, hidden_size]."""
+        return nnx.merge(self._embed, embed_params)(batch["tokens"][:, :-1])
+
+    def stage(self, layer_params: Params, h: jax.Array) -> jax.Array:
+        """One block (parameters of one layer: a slice of ``params["blocks"]``)."""
+        return nnx.merge(self._block, layer_params)(h)
+
+    def head_loss(self, head_params: Params, h: jax.Array, batch: Batch) -> jax.Array:
+        """The mean loss of predicting tokens ``[:, 1:]`` from the residual stream."""
+        return nnx.merge(self._head, head_params)(h, batch["tokens"][:, 1:])
+
+    @staticmethod
+    def pipeline_params(params: Params) -> PipelineParams:
+        """`params` (or anything shaped like them: gradients, PartitionSpecs) cut for the
+        pipeline: `PipelineParams(embed, layers, head)`, layers stacked in model order."""
+        return PipelineParams(params["embed"], params["blocks"], params["head"])
+
+    def partition_specs(
+        self, *, rules: LogicalRules | None = None, mesh: Mesh | None = None
+    ) -> Params:
+        """A PartitionSpec for every parameter, shaped like the params (see
+        `fleetjax.layers.partition_specs`)."""
+        return nnx.to_pure_dict(partition_specs(self._state, rules=rules, mesh=mesh))
+
+
+def make_gpt(config: GPTConfig, *, seed: int = 0) -> tuple[GPTFunctions, Params]:
+    """The GPT's functions and its freshly initialised parameters (on the default device)."""
+    model = GPT(config, rngs=nnx.Rngs(seed))
+    return GPTFunctions(model), nnx.to_pure_dict(nnx.state(model))

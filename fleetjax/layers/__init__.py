@@ -1,0 +1,45 @@
+"""Megatron tensor-parallel layers (Paddle's `fleet.meta_parallel`) as flax nnx modules, and the
+logical-axis rules that place their parameters and activations on the mesh.
+
+    specs = partition_specs(nnx.state(model), mesh=mesh)      # logical names -> mesh axes
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    state = jax.device_put(nnx.state(model), shardings)       # each device holds its slices
+    with jax.set_mesh(mesh):                                   # Auto or Explicit axes
+        loss = jax.jit(loss_fn, in_shardings=(shardings, batch_sharding))(state, batch)
+
+Parameters name their dimensions with logical axes (``"vocab"``, ``"embed"``, ``"mlp"``); the
+rules (`DEFAULT_RULES`, overridable) map the split ones to ``mp``, and activations' batch to
+``dp`` x ``sharding``.
+"""
+
+from fleetjax.layers._params import logical_param
+from fleetjax.layers.batch_norm import BatchNorm
+from fleetjax.layers.cross_entropy import ParallelCrossEntropy, parallel_cross_entropy
+from fleetjax.layers.embedding import VocabParallelEmbedding
+from fleetjax.layers.linear import ColumnParallelLinear, RowParallelLinear
+from fleetjax.layers.partitioning import (
+    DEFAULT_RULES,
+    LogicalNames,
+    LogicalRules,
+    constrain,
+    current_rules,
+    logical_to_spec,
+    partition_specs,
+)
+
+__all__ = [
+    "BatchNorm",
+    "ColumnParallelLinear",
+    "ParallelCrossEntropy",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "parallel_cross_entropy",
+    "DEFAULT_RULES",
+    "LogicalNames",
+    "LogicalRules",
+    "constrain",
+    "current_rules",
+    "logical_param",
+    "logical_to_spec",
+    "partition_specs",
+]

@@ -87,7 +87,7 @@ _ALIASES: dict[str, tuple[str, ...]] = {
 class DistributedStrategy(_Whole):
     """`paddle.distributed.fleet.DistributedStrategy`: every switch and `*_configs` block.
 
-    Example:
+    Examples:
       >>> import fleetjax
       >>> s = fleetjax.DistributedStrategy()
       >>> s.hybrid_configs = {"dp_degree": 2, "mp_degree": 4}
@@ -184,7 +184,7 @@ class Strategy(_Whole):
     gemm_epilogue, dropout_add), `gradient_merge` (enable, k_steps, avg), `pipeline` (enable,
     schedule_mode, micro_batch_size, accumulate_steps, ...), `amp` and `recompute`.
 
-    Example:
+    Examples:
       >>> s = fleetjax.Strategy({"sharding": {"enable": True, "stage": 2, "degree": 4}})
       >>> s.gradient_merge.k_steps = 4
 

@@ -1,0 +1,74 @@
+"""The notebooks run top to bottom on the 8 simulated CPU devices they set up themselves, in
+well under two minutes each, and are stored without outputs."""
+
+import ast
+import os
+import pathlib
+import time
+
+import nbclient
+import nbformat
+import pytest
+
+NOTEBOOKS = sorted((pathlib.Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
+SECONDS = 120  # each notebook's budget, whole and per cell
+# Appended to each executed copy: the kernel must have the devices the notebook set up.
+DEVICE_CHECK = """
+import jax
+assert jax.device_count() == 8, jax.devices()
+assert jax.devices()[0].platform == "cpu", jax.devices()
+"""
+
+
+def _kernel_env() -> dict[str, str]:
+    """This process's environment without the device settings of `conftest.py`, so that a
+    notebook passes only if its own first cell sets them."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "JAX_NUM_CPU_DEVICES")}
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env["XLA_FLAGS"] = " ".join(flags)
+    return env
+
+
+def test_the_notebooks_are_there():
+    assert [p.name for p in NOTEBOOKS] == [
+        "01_quickstart.ipynb",
+        "04_optimizers.ipynb",
+        "05_migrating_from_paddle.ipynb",
+    ]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_is_stored_without_outputs(path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            assert cell.outputs == [], f"cell {i} of {path.name} has outputs: strip them"
+            assert cell.execution_count is None, f"cell {i} of {path.name} has an execution count"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_sets_up_devices_before_importing_jax(path):
+    nb = nbformat.read(path, as_version=4)
+    first = next(cell.source for cell in nb.cells if cell.cell_type == "code")
+    assert 'os.environ["JAX_NUM_CPU_DEVICES"] = "8"' in first
+    assert 'os.environ["JAX_PLATFORMS"] = "cpu"' in first
+    imports = [node for node in ast.walk(ast.parse(first)) if isinstance(node, ast.Import)]
+    assert [alias.name for node in imports for alias in node.names] == ["os"]
+    assert not any(isinstance(node, ast.ImportFrom) for node in ast.walk(ast.parse(first)))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs(path):
+    nb = nbformat.read(path, as_version=4)
+    nb.cells.append(nbformat.v4.new_code_cell(DEVICE_CHECK))
+    client = nbclient.NotebookClient(
+        nb,
+        timeout=SECONDS,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent)}},  # the kernel's working directory
+    )
+    start = time.perf_counter()
+    client.execute(env=_kernel_env())  # raises CellExecutionError, naming the failed cell
+    elapsed = time.perf_counter() - start
+    assert elapsed < SECONDS, f"{path.name} took {elapsed:.0f} s"

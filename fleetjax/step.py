@@ -33,6 +33,7 @@ from fleetjax.layers import partition_specs
 from fleetjax.mesh import (
     AXES,
     batch_sharding,
+    constrain,
     data_axes,
     data_parallel_size,
     mesh_from_strategy,
@@ -40,6 +41,7 @@ from fleetjax.mesh import (
     strategy_degrees,
     zero_spec,
 )
+from fleetjax.mesh._placement import spec_axes
 from fleetjax.optimizers import DistributedOptimizer, optimizer_for_strategy
 from fleetjax.strategy import DistributedStrategy, Strategy
 from fleetjax.transforms import amp, grad_allreduce, gradient_merge, recompute
@@ -172,7 +174,7 @@ class TrainStep:
         specs = self.param_specs
         if specs is None:
             specs = partition_specs(params, mesh=self.mesh)
-        split = {a for s in jax.tree.leaves(specs, is_leaf=_is_spec) for a in _spec_axes(s)}
+        split = {a for s in jax.tree.leaves(specs, is_leaf=_is_spec) for a in spec_axes(s)}
         if self.mesh.shape.get("mp", 1) > 1 and "mp" not in split:
             raise ValueError(
                 f"the mesh has an mp axis of size {self.mesh.shape['mp']}, but no parameter is "
@@ -242,7 +244,9 @@ class TrainStep:
             parts = tuple(amp.autocast(f, self.plan.amp.policy) for f in parts)
         embed, stage, head_loss = parts
         if scale is not None:
-            head_loss = lambda p, x, b, f=head_loss: f(p, x, b) * scale  # noqa: E731
+            # The loss scale rides with the head's parameters (its gradient is dropped): a
+            # value closed over by the pipeline's shard_map could not be typed on Explicit axes.
+            head_loss = lambda p, x, b, f=head_loss: f(p[0], x, b) * p[1]  # noqa: E731
         value_and_grad = pipeline(
             embed,
             stage,
@@ -255,8 +259,11 @@ class TrainStep:
         )
 
         def grad_fn(params: Any, batch: Any) -> tuple[tuple[jax.Array, Any], Any]:
-            loss, grads = value_and_grad(params, batch)
-            return (loss if scale is None else loss / scale, {}), grads
+            if scale is None:
+                loss, grads = value_and_grad(params, batch)
+                return (loss, {}), grads
+            loss, grads = value_and_grad(params._replace(head=(params.head, scale)), batch)
+            return (loss / scale, {}), grads._replace(head=grads.head[0])
 
         return grad_fn
 
@@ -351,7 +358,7 @@ class TrainStep:
         with self._recompute_scope():
             (loss, aux), grads = self._grad_fn(scale)(state.params, batch, *rest)
         # ZeRO-2/3: each device keeps its shard of the gradient (a reduce-scatter).
-        grads = jax.lax.with_sharding_constraint(grads, self._grad_sharding)
+        grads = constrain(grads, self._grad_sharding)
         opt_state = state.opt_state
         if self.plan.optimizer_offload:  # fetched from pinned host memory for the update
             opt_state = jax.device_put(
@@ -504,11 +511,6 @@ class TrainStep:
 
 def _is_spec(x: Any) -> bool:
     return isinstance(x, PartitionSpec)
-
-
-def _spec_axes(spec: PartitionSpec) -> tuple[str, ...]:
-    """The mesh axes a spec splits over."""
-    return tuple(a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e))
 
 
 def _over(axes: tuple[str, ...]) -> Callable[[PartitionSpec], PartitionSpec]:

@@ -267,6 +267,22 @@ def test_autocast_through_scan_cond_while_and_custom_jvp():
     assert stablehlo_dtypes(text, "dot_general") == {"bf16"}
 
 
+def test_autocast_on_explicit_axes_with_a_sharded_gather():
+    """jnp runs a gather with out_sharding inside `auto_axes`; replaying it keeps that context."""
+    mesh = jax.make_mesh((4, 2), ("dp", "mp"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    place = lambda x, *spec: jax.device_put(x, jax.NamedSharding(mesh, jax.P(*spec)))  # noqa: E731
+    table = place(jnp.arange(64.0).reshape(16, 4) / 64, "mp", None)
+    ids = place(jnp.arange(24, dtype=jnp.int32).reshape(8, 3) % 16, "dp", None)
+
+    def fn(t, i):
+        return jnp.sum(t.at[i].get(out_sharding=jax.P("dp", None, None)) @ jnp.ones((4, 4)))
+
+    with jax.set_mesh(mesh):
+        cast = jax.jit(amp.autocast(fn, amp.policy("bfloat16")))
+        np.testing.assert_allclose(cast(table, ids), jax.jit(fn)(table, ids), rtol=1e-2)
+        assert stablehlo_dtypes(cast.lower(table, ids).as_text(), "dot_general") == {"bf16"}
+
+
 def test_auto_parallel_strategy_amp():
     s = fleetjax.Strategy({"amp": {"enable": True, "dtype": "bfloat16", "level": "o2"}})
     params, batch = make()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 DATA_AXES = ("dp", "sharding")  # the batch is split over both; ZeRO shards state over sharding
 
@@ -28,6 +29,37 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 def replicated(mesh: Mesh) -> NamedSharding:
     """A full copy on every device."""
     return NamedSharding(mesh, PartitionSpec())
+
+
+def constrain(tree: Any, shardings: Any) -> Any:
+    """Every array in `tree` laid out as `shardings` says: one `NamedSharding` (or a
+    `PartitionSpec` over the context mesh: inside `shard_map` or `jax.set_mesh`) for all, or a
+    pytree of them shaped like `tree`.
+
+    On `Auto` axes this is `jax.lax.with_sharding_constraint`, a layout the compiler then
+    follows; on `Explicit` axes the layout is part of the array's type (there a sharding
+    constraint only asserts it), so it is `jax.sharding.reshard`.
+    """
+    context = jax.sharding.get_abstract_mesh()
+
+    def one(x: jax.Array, sharding: NamedSharding | PartitionSpec) -> jax.Array:
+        spec = sharding.spec if isinstance(sharding, NamedSharding) else sharding
+        # Under a context mesh (set_mesh, shard_map's manual axes, auto_axes) the layout is
+        # named by its spec, which the context resolves with its own axis types.
+        mesh, target = (sharding.mesh, sharding) if context.empty else (context, spec)
+        types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+        if any(types[a] == AxisType.Explicit for a in spec_axes(spec)):
+            return jax.sharding.reshard(x, target)
+        return jax.lax.with_sharding_constraint(x, target)
+
+    if isinstance(shardings, NamedSharding | PartitionSpec):
+        return jax.tree.map(lambda x: one(x, shardings), tree)
+    return jax.tree.map(one, tree, shardings)
+
+
+def spec_axes(spec: PartitionSpec) -> tuple[str, ...]:
+    """The mesh axes `spec` splits over."""
+    return tuple(a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e))
 
 
 # Tensors smaller than this stay whole under ZeRO: their shards would save less memory than the

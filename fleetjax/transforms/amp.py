@@ -222,6 +222,21 @@ def _is_float(x: Any) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.floating)
 
 
+def _traced_mesh(eqn: Any) -> contextlib.AbstractContextManager[Any]:
+    """The mesh context `eqn` was traced under, where it differs from the current one.
+
+    On `Explicit` meshes jnp runs some operations (a gather with ``out_sharding``) inside
+    `jax.sharding.auto_axes`, on values retyped to `Auto` axes; a jaxpr keeps the types but not
+    the context, so re-binding such an operation needs it back.
+    """
+    current = jax.sharding.get_abstract_mesh()
+    for var in eqn.invars:
+        mesh = getattr(getattr(var.aval, "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty and mesh != current:
+            return jax.sharding.use_abstract_mesh(mesh)
+    return contextlib.nullcontext()
+
+
 def _cast(x: Any, dtype: Any) -> Any:
     if not _is_float(x) or jnp.result_type(x) == dtype:
         return x
@@ -279,9 +294,11 @@ class _Interpreter:
         if any(jex.core.jaxprs_in_params(params)):
             # Custom-derivative and other higher-order operations run as written.
             traced = [_cast(x, v.aval.dtype) for x, v in zip(ins, eqn.invars, strict=True)]
-            return _as_list(_bind_as_written(eqn, traced), eqn)
+            with _traced_mesh(eqn):
+                return _as_list(_bind_as_written(eqn, traced), eqn)
         ins, params = self._cast_inputs(eqn, ins, keep_f32)
-        return _as_list(eqn.primitive.bind(*ins, **params), eqn)
+        with _traced_mesh(eqn):
+            return _as_list(eqn.primitive.bind(*ins, **params), eqn)
 
     def _target(self, eqn: Any, ins: list[Any], keep_f32: bool) -> Any | None:
         """The dtype for this operation's float inputs, or None to leave them as they are."""

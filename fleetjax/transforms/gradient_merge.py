@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
+from fleetjax.mesh import constrain
+
 GradFn = Callable[..., tuple[tuple[jax.Array, dict[str, Any]], Any]]
 
 
@@ -51,7 +53,7 @@ def split_batch(batch: Any, k_steps: int, sharding: NamedSharding | None = None)
                 f"batch leaf has {x.shape[0]} rows"
             )
         parts = jnp.swapaxes(x.reshape(x.shape[0] // k_steps, k_steps, *x.shape[1:]), 0, 1)
-        return parts if sharding is None else jax.lax.with_sharding_constraint(parts, sharding)
+        return parts if sharding is None else constrain(parts, sharding)
 
     return jax.tree.map(split, batch)
 

@@ -31,9 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend.core import jaxpr_as_fun
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from fleetjax.mesh import data_axes, data_parallel_size
+from fleetjax.mesh import constrain, data_axes, data_parallel_size
 from fleetjax.transforms._schedules import SCHEDULE_MODES, PipelineSchedule, pipeline_schedule
 
 __all__ = [
@@ -198,7 +198,7 @@ def pipeline(
             x = x.reshape(replicas, accumulate_steps, micro_batch_size, *x.shape[1:])
             return x.swapaxes(0, 1)
 
-        return lax.with_sharding_constraint(jax.tree.map(cut, batch), by_replica)
+        return constrain(jax.tree.map(cut, batch), by_replica)
 
     def value_and_grad(params: PipelineParams, batch: Any) -> tuple[jax.Array, PipelineParams]:
         if not isinstance(params, PipelineParams):
@@ -206,10 +206,29 @@ def pipeline(
                 "params must be a fleetjax PipelineParams(embed, layers, head), "
                 f"got {type(params).__name__}"
             )
+        explicit = tuple(
+            a
+            for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+            if t == AxisType.Explicit
+        )
+        if not explicit:
+            return pipelined(params, batch)
+        # On Explicit axes the pipeline runs on Auto ones (as jnp runs a sharded gather), its
+        # buffers and branches then typed alike; the gradients come back placed as the params.
+        out = (PartitionSpec(), jax.tree.map(lambda x: jax.typeof(x).sharding.spec, params))
+        run = jax.sharding.auto_axes(pipelined, axes=explicit, out_sharding=out)
+        if jax.sharding.get_abstract_mesh().empty:
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                return run(params, batch)
+        return run(params, batch)
+
+    def pipelined(params: PipelineParams, batch: Any) -> tuple[jax.Array, PipelineParams]:
         micro = split(batch)
         shapes = _shapes(model, schedule, params, micro)
         run = _program(model, schedule, plan, mesh, shapes)
-        sharded = jax.shard_map(run, mesh=mesh, axis_names={AXIS}, **specs)
+        context = jax.sharding.get_abstract_mesh()  # under auto_axes: this mesh, Auto typed
+        on = mesh if context.empty else context
+        sharded = jax.shard_map(run, mesh=on, axis_names={AXIS}, **specs)
         g_layers, by_stage = sharded(params.embed, params.layers, params.head, micro)
         # Sum over the data-parallel replicas (each scaled by 1 / replicas already) and, for
         # the loss and the embed and head gradients, over the stages that made them.
@@ -426,7 +445,7 @@ def _program(
 
     def buffer(shape: Any, slots: int) -> Any:
         """`slots` slots for every replica's value of `shape`."""
-        return lax.with_sharding_constraint(zeros(shape, slots, replicas), by_replica)
+        return constrain(zeros(shape, slots, replicas), by_replica)
 
     def put(buffers: Any, slot: jax.Array, values: Any) -> Any:
         return jax.tree.map(lambda b, v: b.at[slot].set(v), buffers, values)

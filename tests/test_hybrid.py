@@ -1,0 +1,145 @@
+"""The example GPT trained by `make_train_step` under hybrid strategies (tensor, ZeRO and pipeline
+parallel over 8 devices, on Auto and Explicit meshes) has one device's loss curve."""
+
+import itertools
+import pathlib
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+
+import fleetjax
+from fleetjax.transforms.pipeline import PipelineLayer
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
+from gpt import GPTConfig, make_gpt
+
+# Eight heads, so that mp can take all 8 devices.
+CONFIG = GPTConfig(
+    vocab_size=64,
+    max_position_embeddings=8,
+    hidden_size=32,
+    num_attention_heads=8,
+    num_hidden_layers=2,
+    intermediate_size=64,
+    initializer_range=0.2,
+)
+STEPS = 3
+ROWS = 8
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return make_gpt(CONFIG, seed=0)
+
+
+@pytest.fixture(scope="module")
+def batches():
+    key = jax.random.key(1)
+    return [
+        {"tokens": jax.random.randint(k, (ROWS, CONFIG.max_position_embeddings + 1), 0, 64)}
+        for k in jax.random.split(key, STEPS)
+    ]
+
+
+def losses(gpt, batches, strategy, mesh=None, pipelined=False):
+    model, params = gpt
+    specs = model.partition_specs()
+    loss_fn = model.loss_fn
+    if pipelined:
+        loss_fn = PipelineLayer(model.embed, model.stage, model.head_loss)
+        params, specs = model.pipeline_params(params), model.pipeline_params(specs)
+    step = fleetjax.make_train_step(loss_fn, optax.adam(1e-2), strategy, mesh, param_specs=specs)
+    state = step.init(params)
+    out = []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        out.append(float(metrics["loss"]))
+    return np.array(out)
+
+
+@pytest.fixture(scope="module")
+def reference(gpt, batches):
+    """The loss curve with everything on one device."""
+    one = fleetjax.build_mesh(dp=1, devices=jax.devices()[:1])
+    return losses(gpt, batches, fleetjax.DistributedStrategy(), one)
+
+
+def hybrid(dp, sharding, mp, stage):
+    return fleetjax.DistributedStrategy(
+        sharding=sharding > 1,
+        sharding_configs={"sharding_degree": sharding, "stage": stage},
+        hybrid_configs={"dp_degree": dp, "sharding_degree": sharding, "mp_degree": mp},
+    )
+
+
+FACTORISATIONS = [
+    (dp, sharding, 8 // (dp * sharding))
+    for dp, sharding in itertools.product((1, 2, 4, 8), repeat=2)
+    if 8 % (dp * sharding) == 0
+]
+QUICK = {(2, 2, 2), (1, 4, 2), (1, 2, 4), (1, 1, 8)}
+GRID = [
+    pytest.param(*f, stage, marks=() if f in QUICK and stage == 3 else pytest.mark.slow)
+    for f in FACTORISATIONS
+    for stage in (1, 2, 3)
+]
+
+
+@pytest.mark.parametrize(("dp", "sharding", "mp", "stage"), GRID)
+def test_every_factorisation_has_one_devices_loss_curve(
+    gpt, batches, reference, dp, sharding, mp, stage
+):
+    got = losses(gpt, batches, hybrid(dp, sharding, mp, stage))
+    np.testing.assert_allclose(got, reference, rtol=2e-6)
+
+
+@pytest.mark.parametrize("mp", [2, 4])
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit], ids=lambda k: k.name)
+def test_tensor_parallel_on_both_axis_types(gpt, batches, reference, mp, kind):
+    mesh = fleetjax.build_mesh(dp=8 // mp, mp=mp, axis_types=kind)
+    strategy = fleetjax.DistributedStrategy(
+        tensor_parallel=True, tensor_parallel_configs={"tensor_parallel_degree": mp}
+    )
+    np.testing.assert_allclose(losses(gpt, batches, strategy, mesh), reference, rtol=2e-6)
+
+
+def pipelined(**hybrid_configs):
+    return fleetjax.DistributedStrategy(
+        pipeline=True,
+        pipeline_configs={"accumulate_steps": 2, "micro_batch_size": 2},
+        hybrid_configs={"pp_degree": 2, **hybrid_configs},
+    )
+
+
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit], ids=lambda k: k.name)
+def test_dp2_pp2_mp2_trains_like_one_device(gpt, batches, reference, kind):
+    mesh = fleetjax.build_mesh(dp=2, pp=2, mp=2, axis_types=kind)
+    got = losses(gpt, batches, pipelined(dp_degree=2, mp_degree=2), mesh, pipelined=True)
+    np.testing.assert_allclose(got, reference, rtol=2e-6)
+
+
+def test_pipeline_with_zero_stage_1_and_mp(gpt, batches, reference):
+    strategy = pipelined(sharding_degree=2, mp_degree=2)
+    strategy.sharding = True
+    strategy.sharding_configs = {"sharding_degree": 2, "stage": 1}
+    got = losses(gpt, batches, strategy, pipelined=True)
+    np.testing.assert_allclose(got, reference, rtol=2e-6)
+
+
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit], ids=lambda k: k.name)
+def test_amp_with_tensor_and_pipeline_parallel(gpt, batches, kind):
+    """fp16 with dynamic loss scaling: the same curve as AMP on one device (the loss scale
+    travels into the pipeline's last stage)."""
+    amp = {"amp": True, "amp_configs": {"use_dynamic_loss_scaling": True}}
+    one = fleetjax.build_mesh(dp=1, devices=jax.devices()[:1])
+    expected = losses(gpt, batches, fleetjax.DistributedStrategy(**amp), one)
+    strategy = pipelined(dp_degree=2, mp_degree=2)
+    strategy.amp, strategy.amp_configs = True, amp["amp_configs"]
+    mesh = fleetjax.build_mesh(dp=2, pp=2, mp=2, axis_types=kind)
+    got = losses(gpt, batches, strategy, mesh, pipelined=True)
+    np.testing.assert_allclose(got, expected, rtol=2e-3)
+    assert np.all(np.diff(got) < 0)

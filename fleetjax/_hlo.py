@@ -11,6 +11,7 @@ _OP = re.compile(r"=\s*(?P<shape>.+?)\s+(?P<op>" + "|".join(COLLECTIVES) + r")(?
 _LIST_GROUPS = re.compile(r"replica_groups=\{(\{[\d,]*\})")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[(?P<axes>[^\]]*)\]\s*\{(?P<names>[^}]*)\}")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 _BITS = {"pred": 8, "s8": 8, "u8": 8, "f8e4m3fn": 8, "f8e5m2": 8}
 
@@ -23,11 +24,13 @@ class Collective:
       op: "all-reduce", "all-gather", "reduce-scatter", "all-to-all" or "collective-permute".
       shape: the result shape text, e.g. "f32[32,16]{1,0}" or a tuple of them.
       group_size: devices in each replica group (None if the text does not say).
+      pairs: a collective-permute's (source, target) device pairs; empty for the others.
     """
 
     op: str
     shape: str
     group_size: int | None
+    pairs: tuple[tuple[int, int], ...] = ()
 
     @property
     def arrays(self) -> list[tuple[str, tuple[int, ...]]]:
@@ -70,5 +73,15 @@ def collectives(hlo_text: str) -> list[Collective]:
     found = []
     for line in hlo_text.splitlines():
         if (m := _OP.search(line)) and "-done(" not in line:
-            found.append(Collective(m.group("op"), m.group("shape"), _group_size(line)))
+            pairs = _PAIRS.search(line)
+            found.append(
+                Collective(
+                    m.group("op"),
+                    m.group("shape"),
+                    _group_size(line),
+                    tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs[1]))
+                    if pairs
+                    else (),
+                )
+            )
     return found

@@ -53,6 +53,14 @@ class Pipeline:
 
 
 @dataclasses.dataclass(frozen=True)
+class Hierarchical:
+    """`use_hierarchical_allreduce`: the gradient all-reduce in two levels, within and across
+    nodes of `ranks_per_node` devices (None: each process's devices are a node)."""
+
+    ranks_per_node: int | None
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """The transforms a train step applies; None means off."""
 
@@ -60,6 +68,7 @@ class Plan:
     amp: Amp | None = None
     gradient_merge: GradientMerge | None = None
     allreduce_dtype: str | None = None  # fp16_allreduce: the dtype gradients are summed in
+    hierarchical: Hierarchical | None = None
     # DGC and LocalSGD: the optimizer runs on each data-parallel replica's own gradient and
     # state, inside shard_map, and does its own communication.
     per_replica: bool = False
@@ -68,6 +77,9 @@ class Plan:
     sharding_stage: int = 0
     optimizer_offload: bool = False  # the optimizer state lives in pinned host memory
     pipeline: Pipeline | None = None
+    # execution_strategy.num_iteration_per_run: optimizer steps per `TrainStep.run` call (None:
+    # any number; `Strategy` has no such knob).
+    iterations_per_run: int | None = None
 
 
 def _recompute(switch: str, config, where: str, shape: tuple[int, ...] = ()) -> Recompute:
@@ -196,6 +208,18 @@ def _check_combinations(plan: Plan) -> Plan:
         )
         if clash:
             raise ValueError(f"the pipeline does not combine with {clash}")
+    if plan.hierarchical is not None:
+        clash = (
+            "ZeRO stage 2/3 (it reduce-scatters over the sharding axis)"
+            if plan.sharding_stage >= 2
+            else "dgc/localsgd (they do their own communication)"
+            if plan.per_replica
+            else "the pipeline (it reduces over the data axes itself)"
+            if plan.pipeline is not None
+            else None
+        )
+        if clash:
+            raise ValueError(f"use_hierarchical_allreduce does not combine with {clash}")
     if plan.sharding_stage and plan.allreduce_dtype is not None:
         _support.warn_once(
             "fp16_allreduce is turned off under ZeRO sharding, as Paddle does (its gradients "
@@ -265,6 +289,15 @@ def read_plan(strategy: DistributedStrategy | Strategy) -> Plan:
             pipe["schedule_mode"], pipe["micro_batch_size"], pipe["accumulate_steps"], 0
         )
         if strategy.pipeline or strategy.hybrid_configs["pp_degree"] > 1
+        else None,
+        iterations_per_run=strategy.execution_strategy.num_iteration_per_run,
+        hierarchical=Hierarchical(
+            # Paddle's default: the devices of one machine.
+            strategy.hierarchical_allreduce_inter_nranks
+            if strategy.is_set("hierarchical_allreduce_inter_nranks")
+            else None
+        )
+        if strategy.use_hierarchical_allreduce
         else None,
     )
     return _check_combinations(plan)

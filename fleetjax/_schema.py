@@ -674,7 +674,15 @@ DISTRIBUTED_STRATEGY = message(
         field(7, "lars", bool, False),
         field(8, "lamb", bool, False),
         field(9, "pipeline", bool, False),
-        field(10, "elastic", bool, False),
+        field(
+            10,
+            "elastic",
+            bool,
+            False,
+            note="Paddle's elastic training is set up on its launcher (--elastic_server, "
+            "--max_restart); fleetjax-run stops every worker when one fails, and training "
+            "resumes from the last checkpoint",
+        ),
         field(11, "auto", bool, False),
         field(12, "a_sync", bool, True, note=_PS),
         field(
@@ -698,6 +706,7 @@ DISTRIBUTED_STRATEGY = message(
                 "(tune NCCL with its NCCL_* environment variables)"
             ),
         ),
+        # Both applied by fleetjax.transforms.grad_allreduce.hierarchical_mean.
         field(15, "use_hierarchical_allreduce", bool, False),
         field(16, "hierarchical_allreduce_inter_nranks", int, 1, check=_positive),
         field(17, "sync_batch_norm", bool, False),
@@ -785,7 +794,14 @@ DISTRIBUTED_STRATEGY = message(
         field(39, "is_fl_ps_mode", bool, False, note=_PS),
         field(40, "with_coordinator", bool, False, note=_PS),
         field(41, "qat", bool, False),
-        field(42, "split_data", bool, True),
+        field(
+            42,
+            "split_data",
+            bool,
+            True,
+            note="it tells Paddle's auto-parallel data loader to split batches; a fleetjax step "
+            "always splits the global batch over the data axes",
+        ),
         # fleetjax: the dtype fp16_allreduce communicates in.
         field(1001, "fp16_allreduce_dtype", str, "float16", paddle=False, check=_half),
         field(101, "recompute_configs", RECOMPUTE_CONFIG),

@@ -37,14 +37,6 @@ _NOT_YET_DISTRIBUTED = {
     "semi_auto": "semi-automatic parallelism",
     "auto_search": "automatic parallel search",
 }
-_NOT_YET_AUTO: dict[str, str] = {}
-# Knobs that only tune performance and that this version neither maps nor explains yet.
-_PERFORMANCE_ONLY = (
-    "use_hierarchical_allreduce",
-    "hierarchical_allreduce_inter_nranks",
-    "elastic",
-    "split_data",
-)
 
 
 def _unsupported(what: str, setting: str) -> NotImplementedError:
@@ -70,24 +62,12 @@ def _noted_fields(message: Message, prefix: str = "") -> Iterator[tuple[str, str
 def check_supported(strategy: DistributedStrategy | Strategy) -> None:
     """Raise for switches fleetjax cannot apply yet; warn once for knobs without effect."""
     if isinstance(strategy, Strategy):
-        for section, what in _NOT_YET_AUTO.items():
-            config = getattr(strategy, section)
-            if config.enable:
-                raise _unsupported(what, f"Strategy.{section}.enable=True")
         for path, note in _noted_fields(strategy):
             warn_once(f"Strategy.{path} has no effect in fleetjax: {note}")
         return
     for name, what in _NOT_YET_DISTRIBUTED.items():
         if getattr(strategy, name):
             raise _unsupported(what, f"DistributedStrategy.{name}=True")
-    if (
-        strategy.execution_strategy.num_iteration_per_run != 3
-        and strategy.execution_strategy.is_set("num_iteration_per_run")
-    ):
-        warn_once(
-            "DistributedStrategy.execution_strategy.num_iteration_per_run (several steps per "
-            "call) is not applied by this version of fleetjax; each call runs one step"
-        )
     if strategy.gradient_scale_configs["scale_strategy"] != "avg":
         raise _unsupported(
             "gradient scaling other than the mean over replicas",
@@ -96,10 +76,3 @@ def check_supported(strategy: DistributedStrategy | Strategy) -> None:
         )
     for path, note in _noted_fields(strategy):
         warn_once(f"DistributedStrategy.{path} has no effect in fleetjax: {note}")
-    defaults = DistributedStrategy()
-    for name in _PERFORMANCE_ONLY:
-        if getattr(strategy, name) != getattr(defaults, name):
-            warn_once(
-                f"DistributedStrategy.{name} is a performance setting that this version of "
-                "fleetjax does not apply yet; training is computed the same without it"
-            )

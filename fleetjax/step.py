@@ -18,7 +18,7 @@ gradient and updating its own optimizer state, stored stacked on a leading repli
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -115,6 +115,7 @@ class TrainStep:
         self.state_sharding: TrainState | None = None  # known once a state is seen
         self.abstract_state: TrainState | None = None  # shapes and dtypes, likewise
         self._step: Any = None
+        self._runs: dict[int, Any] = {}  # `run`'s compiled scans, by number of steps
         # XLA:CPU runs simulated devices' collectives on a shared thread pool; with several
         # steps queued, device threads of a later step can take the pool while an all-reduce of
         # an earlier one waits for its last participant, and XLA aborts after 40 s (jaxlib
@@ -281,7 +282,7 @@ class TrainStep:
         plan, axes = self.plan, self._axes
         zero2 = plan.sharding_stage >= 2 and "sharding" in axes and self.mesh.shape["sharding"] > 1
         zero2 = zero2 and plan.pipeline is None  # the pipeline reduces over the data axes itself
-        explicit = plan.allreduce_dtype is not None or zero2
+        explicit = plan.allreduce_dtype is not None or zero2 or plan.hierarchical is not None
         if plan.gradient_merge is not None and plan.gradient_merge.in_step:
             # Inside a shard_map each device splits its own rows.
             inside = explicit or local
@@ -294,6 +295,16 @@ class TrainStep:
                     _over(axes), self._grad_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
                 )
                 reducer = grad_allreduce.scatter_mean(specs)
+            elif plan.hierarchical is not None:
+                # A node is, by default, the replicas of one process (Paddle: of one machine).
+                per_node = plan.hierarchical.ranks_per_node or max(
+                    1, self._replicas // jax.process_count()
+                )
+                dtype = jnp.dtype(plan.allreduce_dtype or jnp.float32)
+                reducer = grad_allreduce.hierarchical_mean(self._replicas, per_node, dtype)
+                return grad_allreduce.data_parallel(
+                    grad_fn, self.mesh, axes, reducer, check_vma=False
+                )
             else:
                 reducer, specs = grad_allreduce.mean_in(jnp.dtype(plan.allreduce_dtype)), None
             grad_fn = grad_allreduce.data_parallel(grad_fn, self.mesh, axes, reducer, specs)
@@ -448,6 +459,44 @@ class TrainStep:
         with jax.set_mesh(self.mesh):
             out = self._compiled_step(state)(state, self.shard_batch(batch))
         return jax.block_until_ready(out) if self._one_at_a_time else out
+
+    def run(self, state: TrainState, batches: Sequence[Any]) -> tuple[TrainState, dict[str, Any]]:
+        """Several optimizer steps in one compiled call, a `lax.scan` of the step over
+        `batches`, with one host round trip (Paddle's
+        `execution_strategy.num_iteration_per_run`).
+
+        `batches` holds exactly `num_iteration_per_run` batches (any number under a `Strategy`,
+        which has no such knob), each as `__call__` takes it. Returns the state after the last
+        step and the metrics of every step, stacked on a leading axis.
+        """
+        batches = list(batches)
+        expected = self.plan.iterations_per_run
+        if expected is not None and len(batches) != expected:
+            raise ValueError(
+                f"run() got {len(batches)} batches, but DistributedStrategy.execution_strategy"
+                f".num_iteration_per_run={expected}: pass that many, or change it"
+            )
+        if not batches:
+            raise ValueError("run() got no batches")
+        with jax.set_mesh(self.mesh):
+            out = self._compiled_run(state, len(batches))(state, self.shard_batch(batches))
+        return jax.block_until_ready(out) if self._one_at_a_time else out
+
+    def _compiled_run(self, state: TrainState, steps: int) -> Any:
+        if steps not in self._runs:
+            self._compiled_step(state)  # the state's placement
+
+            def scan(state: TrainState, batches: list[Any]) -> tuple[TrainState, Any]:
+                stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *batches)
+                return jax.lax.scan(self._update, state, stacked)
+
+            self._runs[steps] = jax.jit(
+                scan,
+                in_shardings=(self.state_sharding, [self.batch_sharding] * steps),
+                out_shardings=(self.state_sharding, replicated(self.mesh)),
+                donate_argnums=0,
+            )
+        return self._runs[steps]
 
     def lower(self, state: TrainState, batch: Any) -> jax.stages.Lowered:
         """The lowered step for `state` and `batch` (only shapes are used; nothing runs)."""

@@ -238,3 +238,53 @@ class TestNothingIsSilentlyIgnored:
             warnings.simplefilter("error")
             fleetjax.make_train_step(loss_fn, optax.sgd(0.1), fleetjax.DistributedStrategy())
             fleetjax.make_train_step(loss_fn, optax.sgd(0.1), fleetjax.Strategy())
+
+
+class TestSeveralStepsPerCall:
+    """`TrainStep.run`: execution_strategy.num_iteration_per_run steps in one compiled scan."""
+
+    @pytest.mark.parametrize(
+        "fields",
+        [
+            {},
+            {"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}},
+            {"amp": True},
+            {"sharding": True, "sharding_configs": {"sharding_degree": 8, "stage": 3}},
+        ],
+        ids=["dp", "merge", "amp", "zero3"],
+    )
+    def test_a_run_of_k_equals_k_steps(self, fields):
+        strategy = fleetjax.DistributedStrategy(
+            execution_strategy={"num_iteration_per_run": 4}, **fields
+        )
+        step = fleetjax.make_train_step(loss_fn, optax.adam(1e-2), strategy)
+        batches = [make_batch(seed) for seed in range(4)]
+        one_by_one, losses = step.init(make_params()), []
+        for batch in batches:
+            one_by_one, metrics = step(one_by_one, batch)
+            losses.append(metrics["loss"])
+        at_once, metrics = step.run(step.init(make_params()), batches)
+        np.testing.assert_allclose(metrics["loss"], losses, rtol=1e-6)
+        chex.assert_trees_all_close(at_once, one_by_one, rtol=1e-6, atol=1e-7)
+        assert metrics["loss"].shape == (4,)
+
+    def test_the_steps_are_one_compiled_loop(self):
+        strategy = fleetjax.DistributedStrategy(execution_strategy={"num_iteration_per_run": 2})
+        step = fleetjax.make_train_step(loss_fn, optax.sgd(0.1), strategy)
+        state = step.init(make_params())
+        step.run(state, [make_batch(), make_batch()])
+        (compiled,) = step._runs.values()
+        hlo = compiled.lower(state, [step.shard_batch(make_batch())] * 2).compile().as_text()
+        assert " while(" in hlo
+
+    def test_the_number_of_batches_is_the_strategys(self):
+        step = fleetjax.make_train_step(loss_fn, optax.sgd(0.1), fleetjax.DistributedStrategy())
+        with pytest.raises(
+            ValueError, match=r"run\(\) got 2 batches, but .*num_iteration_per_run=3"
+        ):
+            step.run(step.init(make_params()), [make_batch(), make_batch()])
+        auto = fleetjax.make_train_step(loss_fn, optax.sgd(0.1), fleetjax.Strategy())
+        _, metrics = auto.run(auto.init(make_params()), [make_batch(), make_batch()])
+        assert metrics["loss"].shape == (2,)
+        with pytest.raises(ValueError, match=r"run\(\) got no batches"):
+            auto.run(auto.init(make_params()), [])

@@ -11,7 +11,7 @@ gradient of its own batch rows.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +39,84 @@ def mean_in(dtype: Any) -> Reducer:
         return jax.tree.map(one, grads)
 
     return reduce
+
+
+def hierarchical_mean(replicas: int, ranks_per_node: int, dtype: Any = jnp.float32) -> Reducer:
+    """Average gradients over the data axes in two levels (Paddle's
+    `use_hierarchical_allreduce`, `hierarchical_allreduce_inter_nranks`): a ring reduce-scatter
+    within each node, an all-reduce of each device's part across nodes (a ring among the devices
+    with the same place in their node), and a ring all-gather within the node.
+
+    The `replicas` devices along the data axes form nodes of `ranks_per_node` consecutive ones
+    (node-major order, as `jax.devices()` lists a host's devices together), so only
+    1 / `ranks_per_node` of each gradient crosses nodes. Every step is a `ppermute` between
+    neighbours, which XLA compiles to collective-permutes (NCCL send/recv on GPU). Float32
+    gradients travel in `dtype` (`fp16_allreduce`), divided by `replicas` first, as in `mean_in`.
+    """
+    if ranks_per_node < 1 or replicas % ranks_per_node:
+        raise ValueError(
+            f"hierarchical_allreduce_inter_nranks={ranks_per_node} must divide the "
+            f"{replicas} data-parallel devices into whole nodes"
+        )
+    nodes = replicas // ranks_per_node
+
+    def reduce(grads: Any, axes: tuple[str, ...]) -> Any:
+        index = jax.lax.axis_index(axes)
+        node, rank = index // ranks_per_node, index % ranks_per_node
+        within = _Ring(
+            axes,
+            ranks_per_node,
+            [(i, i - i % ranks_per_node + (i + 1) % ranks_per_node) for i in range(replicas)],
+        )
+        across = _Ring(axes, nodes, [(i, (i + ranks_per_node) % replicas) for i in range(replicas)])
+
+        def one(g: jax.Array) -> jax.Array:
+            if not jnp.issubdtype(g.dtype, jnp.floating):
+                raise TypeError(f"gradients must be floating point, got {g.dtype}")
+            wire = dtype if g.dtype == jnp.float32 else g.dtype
+            part = _reduce_scatter((g / replicas).astype(wire).ravel(), rank, within)
+            part = _all_gather(_reduce_scatter(part, node, across), node, across)[: part.size]
+            flat = _all_gather(part, rank, within)[: g.size]
+            return flat.reshape(g.shape).astype(g.dtype)
+
+        return jax.tree.map(one, grads)
+
+    return reduce
+
+
+class _Ring(NamedTuple):
+    """Rings of `size` devices along the data `axes`, several at once: `perm` links each device
+    to the next one of its ring."""
+
+    axes: tuple[str, ...]
+    size: int
+    perm: list[tuple[int, int]]
+
+    def shift(self, x: jax.Array) -> jax.Array:
+        """Every device's `x`, at the next device of its ring."""
+        return jax.lax.ppermute(x, self.axes, self.perm)
+
+
+def _reduce_scatter(flat: jax.Array, position: jax.Array, ring: _Ring) -> jax.Array:
+    """The ring's sum of chunk ``(position + 1) % size`` of `flat` (zero-padded into `size`
+    chunks), at the device at `position` of its ring."""
+    size = ring.size
+    chunks = jnp.pad(flat, (0, -flat.size % size)).reshape(size, -1)
+    for s in range(size - 1):
+        got = ring.shift(chunks[(position - s) % size])
+        chunks = chunks.at[(position - s - 1) % size].add(got)
+    return chunks[(position + 1) % size]
+
+
+def _all_gather(chunk: jax.Array, position: jax.Array, ring: _Ring) -> jax.Array:
+    """Every device's chunk (device p holding chunk ``(p + 1) % size``, as `_reduce_scatter`
+    leaves them), concatenated in chunk order, on every device."""
+    size = ring.size
+    out = jnp.zeros((size, *chunk.shape), chunk.dtype).at[(position + 1) % size].set(chunk)
+    for s in range(size - 1):
+        chunk = ring.shift(chunk)
+        out = out.at[(position - s) % size].set(chunk)
+    return out.reshape(-1)
 
 
 def scatter_mean(specs: Any, axis: str = "sharding") -> Reducer:
@@ -69,10 +147,13 @@ def data_parallel(
     axes: Sequence[str],
     reducer: Reducer,
     grad_specs: Any = None,
+    check_vma: bool = True,
 ) -> Callable[..., tuple[tuple[jax.Array, Any], Any]]:
     """`grad_fn(params, batch, *rest) -> ((loss, aux), grads)` with the gradients reduced by
     `reducer` over the data `axes`; `grad_specs` says how the reduced gradients are split over
-    the data axes (a pytree of `PartitionSpec`s; default whole on every device).
+    the data axes (a pytree of `PartitionSpec`s; default whole on every device). `check_vma`
+    False lets a reducer made of `ppermute`s (`hierarchical_mean`) return equal values that JAX
+    cannot prove equal.
 
     Inside, each device computes `grad_fn` on its rows of the batch; the loss and aux values are
     averaged over the replicas (they are means over equal shares of the batch). A PRNG key in
@@ -105,6 +186,7 @@ def data_parallel(
             in_specs=specs,
             out_specs=((PartitionSpec(), PartitionSpec()), out),
             axis_names=manual,
+            check_vma=check_vma,
         )(params, batch, *rest)
 
     return reduced

@@ -4,45 +4,56 @@ Compiles (does not run) `fleetjax.transforms.pipeline.pipeline` for 8 residual M
 pp=4 simulated CPU devices, for FThenB, 1F1B and VPP (vpp_degree=2), at m = pp, 2 pp, 4 pp and
 8 pp micro-batches, and reads the per-device temp bytes from `compiled.memory_analysis()`. Also
 lists each schedule's table: the most chunk forwards a stage holds residuals for, and the idle
-fraction. Writes benchmarks/results/pipeline_memory.json and .md.
+fraction.
 
-    python benchmarks/pipeline_memory.py
+    python benchmarks/pipeline_memory.py [--quick]
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)  # before any backend starts; only affects CPU
 
 import jax.numpy as jnp  # noqa: E402
-from _report import write  # noqa: E402
+from _report import MiB, Result  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 
 from fleetjax.mesh import build_mesh  # noqa: E402
 from fleetjax.transforms.pipeline import PipelineParams, pipeline, pipeline_schedule  # noqa: E402
 
 PP, LAYERS, HIDDEN, MICRO_BATCH_SIZE = 4, 8, 128, 128
 SCHEDULES = (("FThenB", 1), ("1F1B", 1), ("VPP", 2))
-MiB = 2**20
 
 
-def embed(p, batch):
+Params = dict[str, jax.Array]
+Batch = dict[str, jax.Array]
+
+
+def embed(p: Params, batch: Batch) -> jax.Array:
     return batch["x"] @ p["w"]
 
 
-def stage(p, x):
+def stage(p: Params, x: jax.Array) -> jax.Array:
     return x + jax.nn.gelu(x @ p["up"]) @ p["down"]
 
 
-def head_loss(p, x, batch):
+def head_loss(p: Params, x: jax.Array, batch: Batch) -> jax.Array:
     return jnp.mean((x @ p["w"] - batch["y"]) ** 2)
 
 
-def temp_bytes(mode: str, vpp: int, micro_batches: int) -> int:
-    mesh = build_mesh(dp=1, pp=PP, devices=jax.devices("cpu")[:PP])
+def cpu_devices() -> list[jax.Device]:
+    """The devices compiled for: simulated CPU devices, on any machine."""
+    return jax.devices("cpu")[:PP]
 
-    def spec(shape, *axes):
+
+def temp_bytes(mode: str, vpp: int, micro_batches: int) -> int:
+    mesh = build_mesh(dp=1, pp=PP, devices=cpu_devices())
+
+    def spec(shape: tuple[int, ...], *axes: str) -> jax.ShapeDtypeStruct:
         sharding = NamedSharding(mesh, PartitionSpec(*axes))
         return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)
 
@@ -69,46 +80,60 @@ def temp_bytes(mode: str, vpp: int, micro_batches: int) -> int:
     return jax.jit(step).lower(params, batch).compile().memory_analysis().temp_size_in_bytes
 
 
-def main() -> None:
-    rows = []
-    for mode, vpp in SCHEDULES:
-        name = mode if vpp == 1 else f"{mode} (V={vpp})"
-        base = None
-        for m in (PP, 2 * PP, 4 * PP, 8 * PP):
-            temp = temp_bytes(mode, vpp, m)
-            base = base or temp
-            table = pipeline_schedule(mode, PP, m, vpp)
-            rows.append(
-                {
-                    "schedule": name,
-                    "micro-batches": m,
-                    "temp MiB": temp / MiB,
-                    "temp vs m=pp": temp / base,
-                    "in flight (chunks)": int(table.in_flight.max()),
-                    "idle": table.idle_fraction(),
-                }
-            )
-            print(rows[-1], flush=True)
+def rows_for(mode: str, vpp: int, micro_batches: tuple[int, ...]) -> list[dict[str, Any]]:
+    name = mode if vpp == 1 else f"{mode} (V={vpp})"
+    rows: list[dict[str, Any]] = []
+    for m in micro_batches:
+        temp = temp_bytes(mode, vpp, m) / MiB
+        table = pipeline_schedule(mode, PP, m, vpp)
+        rows.append(
+            {
+                "schedule": name,
+                "micro-batches": m,
+                "temp MiB": temp,
+                "temp vs m=pp": temp / rows[0]["temp MiB"] if rows else 1.0,
+                "in flight (chunks)": int(table.in_flight.max()),
+                "idle": table.idle_fraction(),
+            }
+        )
+    return rows
+
+
+def _figure(rows: list[dict[str, Any]]) -> Figure:
+    fig = Figure(figsize=(6, 3.6))
+    ax = fig.subplots()
+    for name in dict.fromkeys(r["schedule"] for r in rows):
+        mine = [r for r in rows if r["schedule"] == name]
+        ax.plot([r["micro-batches"] for r in mine], [r["temp MiB"] for r in mine], "o-", label=name)
+    ax.set_xscale("log", base=2)
+    ticks = sorted({r["micro-batches"] for r in rows})
+    ax.set_xticks(ticks, [str(m) for m in ticks])
+    ax.set_xlabel("micro-batches m")
+    ax.set_ylabel("temporaries, MiB per device")
+    ax.set_title(f"Pipeline memory vs micro-batches, pp = {PP}")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def run(quick: bool = False) -> Result:
+    micro_batches = (PP, 4 * PP) if quick else (PP, 2 * PP, 4 * PP, 8 * PP)
+    rows = [row for mode, vpp in SCHEDULES for row in rows_for(mode, vpp, micro_batches)]
     notes = f"""
 pp={PP} on {PP} simulated CPU devices; {LAYERS} layers `x + gelu(x W_up) W_down` (hidden
-{HIDDEN}, up {4 * HIDDEN}, fp32), micro_batch_size {MICRO_BATCH_SIZE}; temp bytes per device
-from `compiled.memory_analysis()`. In flight: the most micro-batch chunks a stage holds `jax.vjp`
+{HIDDEN}, up {4 * HIDDEN}, fp32), micro_batch_size {MICRO_BATCH_SIZE}; temp bytes per device from
+`compiled.memory_analysis()`. In flight: the most micro-batch chunks a stage holds `jax.vjp`
 residuals for (a VPP chunk is half a stage). Idle: the schedule's bubble with a backward costing
 twice a forward. FThenB keeps every micro-batch's residuals, so its memory grows linearly in m.
-1F1B keeps at most min(m, 2 pp - 1) = 7 micro-batches in flight (Paddle's MPMD 1F1B keeps pp:
-in lockstep SPMD a hop between stages costs a whole tick), so its memory stops growing from
-m = 2 pp - 1 on; between m = pp and m = 2 pp it still grows, by pp - 1 residual slots. VPP keeps
-at most 2 (pp - 1) + (V - 1)(pp + m % pp) + 1 chunks and has the smallest bubble.
+1F1B keeps at most min(m, 2 pp - 1) = {2 * PP - 1} micro-batches in flight (Paddle's MPMD 1F1B
+keeps pp: in lockstep SPMD a hop between stages costs a whole tick), so its memory stops growing
+from m = 2 pp - 1 on; between m = pp and m = 2 pp it still grows, by pp - 1 residual slots. VPP
+keeps at most 2 (pp - 1) + (V - 1)(pp + m % pp) + 1 chunks and has the smallest bubble.
 """
-    print(
-        write(
-            "pipeline_memory",
-            "Pipeline schedules: compiled temp memory vs micro-batches",
-            rows,
-            notes,
-        )
-    )
+    title = "Pipeline schedules: compiled temp memory vs micro-batches"
+    return Result(title, rows, notes, _figure(rows), cpu_devices())
 
 
 if __name__ == "__main__":
-    main()
+    from _report import main
+
+    main("pipeline_memory", run)

@@ -535,7 +535,7 @@ class TrainStep:
         ways = data_parallel_size(self.mesh)
         merge = self.plan.gradient_merge
         micro = merge.k_steps if merge is not None and merge.in_step else 1
-        split = " x ".join(f"{a}={self.mesh.shape[a]}" for a in data_axes(self.mesh))
+        split = lambda: " x ".join(f"{a}={self.mesh.shape[a]}" for a in self._axes)  # noqa: E731
 
         def check(path: Any, x: Any) -> Any:
             x = x if isinstance(x, (jax.Array, np.ndarray)) else np.asarray(x)
@@ -546,12 +546,12 @@ class TrainStep:
             if rows % ways:
                 raise ValueError(
                     f"{name} has {rows} rows, which do not split evenly over the "
-                    f"{ways} data-parallel devices ({split})"
+                    f"{ways} data-parallel devices ({split()})"
                 )
             if rows % (ways * micro):
                 raise ValueError(
                     f"{name} has {rows} rows, which do not split into k_steps={micro} "
-                    f"micro-batches on each of the {ways} data-parallel devices ({split})"
+                    f"micro-batches on each of the {ways} data-parallel devices ({split()})"
                 )
             return x
 

@@ -12,6 +12,7 @@ state, metrics = step(state, batch)
 """
 
 from fleetjax import checkpoint, export, fleet, layers, mesh, optimizers, transforms, xla_flags
+from fleetjax._applied import AppliedStrategy, applied_strategy
 from fleetjax._config import UnknownFieldError
 from fleetjax._explain import Explanation, explain
 from fleetjax._prototxt import PrototxtError
@@ -35,6 +36,7 @@ from fleetjax.transforms.recompute import checkpoint_name, recompute
 __version__ = "0.1.0"
 
 __all__ = [
+    "AppliedStrategy",
     "BuildStrategy",
     "CheckpointManager",
     "DistributedOptimizer",
@@ -50,6 +52,7 @@ __all__ = [
     "TrainState",
     "TrainStep",
     "UnknownFieldError",
+    "applied_strategy",
     "build_mesh",
     "checkpoint",
     "checkpoint_name",

@@ -23,11 +23,14 @@ import enum
 import os
 import tempfile
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fleetjax import _prototxt, _schema
 from fleetjax._config import Message, MessageSpec
 from fleetjax._prototxt import PrototxtError
+
+if TYPE_CHECKING:
+    from fleetjax._applied import AppliedStrategy
 
 __all__ = [
     "BuildStrategy",
@@ -161,6 +164,14 @@ hybrid_configs={'dp_degree': 2, 'mp_degree': 4})
     def __dir__(self) -> list[str]:
         return sorted(set(super().__dir__()) | set(_ALIASES))
 
+    def explain(self) -> AppliedStrategy:
+        """What fleetjax does with this strategy: the train step's transforms, the optimizer
+        rebuild, the XLA flags and the settings without effect (`print()` it for a table).
+        Validates as `make_train_step` does; see `fleetjax._applied.applied_strategy`."""
+        from fleetjax._applied import applied_strategy  # strategies are config: no JAX at import
+
+        return applied_strategy(self)
+
 
 def _with_seed_defaults(spec: MessageSpec, values: dict[str, Any]) -> dict[str, Any]:
     """`values` plus every unset Paddle field whose fleetjax default differs from Paddle's."""
@@ -196,3 +207,11 @@ class Strategy(_Whole):
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         super().__init__(config)
+
+    def explain(self) -> AppliedStrategy:
+        """What fleetjax does with this strategy: the train step's transforms, the XLA flags and
+        the settings without effect (`print()` it for a table). Validates as `make_train_step`
+        does; see `fleetjax._applied.applied_strategy`."""
+        from fleetjax._applied import applied_strategy  # strategies are config: no JAX at import
+
+        return applied_strategy(self)

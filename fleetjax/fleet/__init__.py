@@ -1,13 +1,14 @@
 """Paddle's `paddle.distributed.fleet` on JAX: `from fleetjax import fleet; fleet.init()`.
 
-The module-level functions are bound to one `Fleet` instance, as in Paddle. `fleet.mesh` and
-`fleet.strategy` read that instance's current mesh and strategy.
+The module-level functions are bound to one `Fleet` instance, as in Paddle. `fleet.mesh`,
+`fleet.strategy` and `fleet.trainer` read that instance's current mesh, strategy and `Trainer`.
 """
 
 from typing import Any
 
 from fleetjax.fleet import role_maker
 from fleetjax.fleet._fleet import Fleet
+from fleetjax.fleet._trainer import Trainer
 from fleetjax.fleet._util import UtilBase
 from fleetjax.fleet.role_maker import (
     JaxProcessRoleMaker,
@@ -22,6 +23,16 @@ fleet = Fleet()
 
 init = fleet.init
 distributed_optimizer = fleet.distributed_optimizer
+distributed_model = fleet.distributed_model
+applied_strategy = fleet.applied_strategy
+minimize = fleet.minimize
+backward = fleet.backward
+step = fleet.step
+clear_grad = fleet.clear_grad
+state_dict = fleet.state_dict
+set_state_dict = fleet.set_state_dict
+get_lr = fleet.get_lr
+set_lr = fleet.set_lr
 worker_index = fleet.worker_index
 worker_num = fleet.worker_num
 is_first_worker = fleet.is_first_worker
@@ -45,7 +56,7 @@ util = fleet.util
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("mesh", "strategy"):
+    if name in ("mesh", "strategy", "trainer"):
         return getattr(fleet, name)
     raise AttributeError(f"module 'fleetjax.fleet' has no attribute {name!r}")
 
@@ -60,11 +71,17 @@ __all__ = [
     "Role",
     "RoleMakerBase",
     "Strategy",
+    "Trainer",
     "UserDefinedRoleMaker",
     "UtilBase",
+    "applied_strategy",
+    "backward",
     "barrier_worker",
+    "clear_grad",
+    "distributed_model",
     "distributed_optimizer",
     "fleet",
+    "get_lr",
     "init",
     "init_server",
     "init_worker",
@@ -73,6 +90,7 @@ __all__ = [
     "is_worker",
     "load_inference_model",
     "load_persistables",
+    "minimize",
     "node_num",
     "role_maker",
     "run_server",
@@ -81,6 +99,10 @@ __all__ = [
     "server_endpoints",
     "server_index",
     "server_num",
+    "set_lr",
+    "set_state_dict",
+    "state_dict",
+    "step",
     "stop_worker",
     "util",
     "worker_endpoints",

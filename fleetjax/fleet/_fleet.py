@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import optax
@@ -11,7 +13,10 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from fleetjax import checkpoint, export, xla_flags
+from fleetjax._applied import AppliedStrategy, applied_strategy
 from fleetjax._plan import read_plan
+from fleetjax.fleet._model import distributed_model
+from fleetjax.fleet._trainer import Trainer
 from fleetjax.fleet._util import UtilBase
 from fleetjax.fleet.role_maker import JaxProcessRoleMaker, PaddleCloudRoleMaker, RoleMakerBase
 from fleetjax.mesh import mesh_from_strategy
@@ -32,6 +37,11 @@ class Fleet:
 
     With several worker endpoints (`PADDLE_TRAINER_ENDPOINTS`, as `fleetrun`/`fleetjax-run`
     set), `init` joins all processes with `jax.distributed.initialize` into one global mesh.
+
+    Paddle 2.0's dygraph calls on the fleet (`minimize`, `step`, `clear_grad`, `state_dict`,
+    `set_state_dict`, `get_lr`, `set_lr`) act on the fleet's `Trainer`, which the first
+    `minimize` or `backward` makes from the model given to `distributed_model` and the
+    optimizer from `distributed_optimizer`.
     """
 
     def __init__(self) -> None:
@@ -39,6 +49,10 @@ class Fleet:
         self._strategy: DistributedStrategy | Strategy | None = None
         self._mesh: Mesh | None = None
         self._xla_flags: tuple[xla_flags.Flag, ...] = ()  # what init put in effect
+        self._model: Any = None  # from distributed_model
+        self._param_specs: Any = None
+        self._optimizer: DistributedOptimizer | None = None  # from distributed_optimizer
+        self._trainer: Trainer | None = None
         self.util = UtilBase(self)
 
     # -- set-up ---------------------------------------------------------------------------
@@ -96,6 +110,7 @@ class Fleet:
             _join_processes(role_maker)
         self._mesh = mesh_from_strategy(strategy)
         self._role, self._strategy = role_maker, strategy.__copy__()
+        self._model = self._param_specs = self._optimizer = self._trainer = None
         logger.info(
             "fleet: worker %d of %d, mesh %s",
             role_maker.worker_index,
@@ -143,7 +158,99 @@ class Fleet:
             self._xla_flags = xla_flags.apply(strategy)
             self._mesh = mesh_from_strategy(strategy)
             self._strategy = strategy.__copy__()
-        return distributed_optimizer(optimizer, self.strategy, self.mesh)
+        self._optimizer = distributed_optimizer(optimizer, self.strategy, self.mesh)
+        self._trainer = None
+        return self._optimizer
+
+    def distributed_model(self, model: Any, *, param_specs: Any = None) -> Any:
+        """`model` placed on the fleet's mesh as a train step under the fleet's strategy
+        places it (Paddle's `distributed_model`).
+
+        A flax nnx Module comes back as the same object, its variables placed and, under a
+        `DistributedStrategy`, its BatchNorms computing statistics as `sync_batch_norm` says;
+        flax linen variables and pytrees of arrays come back placed (`param_specs` overrides
+        their logical axis names). `minimize` and `backward` train this model.
+        """
+        self._checked_role()
+        self._model = distributed_model(model, self.strategy, self.mesh, param_specs=param_specs)
+        self._param_specs, self._trainer = param_specs, None
+        return self._model
+
+    def applied_strategy(self) -> AppliedStrategy:
+        """What the fleet's strategy does on its mesh: the train step's plan, the optimizer's
+        rebuild (after `distributed_optimizer`), the XLA flags `init` put in effect and the
+        settings without effect, with the reasons (Paddle's `fleet._final_strategy()`).
+        `print()` it for a table."""
+        return applied_strategy(
+            self.strategy, self.mesh, flags_in_effect=self._xla_flags, optimizer=self._optimizer
+        )
+
+    # -- Paddle 2.0's dygraph optimizer calls, on the fleet's Trainer -----------------------------
+    @property
+    def trainer(self) -> Trainer:
+        """The `Trainer` that `minimize` and `backward` made (and then use)."""
+        if self._trainer is None:
+            raise RuntimeError(
+                "the fleet has not trained yet: fleet.minimize(loss_fn, batch) or "
+                "fleet.backward(loss_fn, batch) makes its Trainer"
+            )
+        return self._trainer
+
+    def _trainer_for(self, loss_fn: Callable[..., Any]) -> Trainer:
+        """The fleet's Trainer for `loss_fn`; another loss function gets a new one that goes on
+        from the current state."""
+        if self._trainer is not None and self._trainer.loss_fn is loss_fn:
+            return self._trainer
+        self._checked_role()
+        if self._model is None:
+            raise RuntimeError("call fleet.distributed_model(model) before training with the fleet")
+        if self._optimizer is None:
+            raise RuntimeError(
+                "call fleet.distributed_optimizer(optimizer) before training with the fleet"
+            )
+        state = None if self._trainer is None else self._trainer.state
+        self._trainer = Trainer(
+            loss_fn, self._model, self._optimizer, param_specs=self._param_specs, state=state
+        )
+        return self._trainer
+
+    def minimize(self, loss_fn: Callable[..., Any], batch: Any) -> jax.Array:
+        """One training step of the model from `distributed_model` on `batch`, with the
+        optimizer from `distributed_optimizer`; returns the loss. See `Trainer.minimize`.
+
+        `loss_fn(model, batch)` for an nnx Module, else `loss_fn(params, batch)`; pass the same
+        function every call (another one compiles another step). For aux outputs or a PRNG
+        key, make a `fleetjax.fleet.Trainer`."""
+        return self._trainer_for(loss_fn).minimize(batch)
+
+    def backward(self, loss_fn: Callable[..., Any], batch: Any) -> None:
+        """Paddle's `loss.backward()`: `step()` applies the gradients of `loss_fn` on `batch`.
+        See `Trainer.backward`."""
+        self._trainer_for(loss_fn).backward(batch)
+
+    def step(self) -> jax.Array:
+        """Apply the gradients `backward` asked for; returns the loss. See `Trainer.step`."""
+        return self.trainer.step()
+
+    def clear_grad(self) -> None:
+        """Drop the gradients of the last `backward`. See `Trainer.clear_grad`."""
+        self.trainer.clear_grad()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer state as a nested dict of arrays. See `Trainer.state_dict`."""
+        return self.trainer.state_dict()
+
+    def set_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load the optimizer state from `state_dict`. See `Trainer.set_state_dict`."""
+        self.trainer.set_state_dict(state_dict)
+
+    def get_lr(self) -> float:
+        """The learning rate of the next step. See `Trainer.get_lr`."""
+        return self.trainer.get_lr()
+
+    def set_lr(self, value: float) -> None:
+        """Use the learning rate `value` from the next step on. See `Trainer.set_lr`."""
+        self.trainer.set_lr(value)
 
     # -- roles ----------------------------------------------------------------------------
     def worker_index(self) -> int:

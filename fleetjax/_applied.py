@@ -1,0 +1,310 @@
+"""What a strategy does once validated: `strategy.explain()` and `fleet.applied_strategy()`.
+
+Paddle drops strategy switches it cannot apply with a log line, and users inspect
+`fleet._final_strategy()` to find out what ran. fleetjax refuses what it cannot apply, so the
+report here answers the remaining questions: which transforms the train step composes (its
+`Plan`), how the optimizer is rebuilt, which XLA flags the knobs map to, and which settings have
+no effect, each with the reason it warns with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from fleetjax import _support, xla_flags
+from fleetjax._config import Message
+from fleetjax._plan import Plan, read_plan
+from fleetjax.mesh import AXES, strategy_degrees
+from fleetjax.optimizers import DistributedOptimizer, PaddleOptimizer
+from fleetjax.optimizers._strategy import SWITCHES
+from fleetjax.strategy import DistributedStrategy, Strategy
+from fleetjax.transforms import amp
+
+__all__ = ["AppliedStrategy", "Setting", "applied_strategy"]
+
+
+class Setting(NamedTuple):
+    """One thing the strategy turns on, and how fleetjax applies it."""
+
+    feature: str  # e.g. "gradient merge"
+    how: str  # e.g. "k_steps=4, mean of the gradients; the optimizer steps every 4th call"
+
+
+@dataclasses.dataclass(frozen=True)
+class AppliedStrategy:
+    """What a strategy does in fleetjax once validated; `str()` is a readable table.
+
+    Attributes:
+      strategy: the strategy's class name, "DistributedStrategy" or "Strategy".
+      mesh: the mesh axis sizes; -1 for `dp` when no mesh is given (all devices left).
+      applied: what the train step does, in the order it composes it.
+      xla_flags: the XLA flags the knobs map to (with a fleet: those in effect).
+      ignored: settings without effect, each with the reason fleetjax warns with.
+      plan: the train step's `Plan` (what `make_train_step` reads from the strategy).
+    """
+
+    strategy: str
+    mesh: Mapping[str, int]
+    applied: tuple[Setting, ...]
+    xla_flags: tuple[xla_flags.Flag, ...]
+    ignored: tuple[xla_flags.Ignored, ...]
+    plan: Plan
+
+    def __str__(self) -> str:
+        sizes = " x ".join(f"{a}={'rest' if n == -1 else n}" for a, n in self.mesh.items())
+        lines = [f"{self.strategy} on a mesh {sizes}"]
+        sections = (
+            ("applied", [(s.feature, s.how) for s in self.applied]),
+            ("XLA flags", [(str(f), f.knob) for f in self.xla_flags]),
+            ("no effect", [(i.knob, i.why) for i in self.ignored]),
+        )
+        for title, rows in sections:
+            lines.append(f"{title}:" if rows else f"{title}: none")
+            width = max((len(left) for left, _ in rows), default=0)
+            lines += [f"  {left:<{width}}  {right}" for left, right in rows]
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        """Notebooks show the table."""
+        printer.text(str(self))
+
+
+def applied_strategy(
+    strategy: DistributedStrategy | Strategy,
+    mesh: Mesh | None = None,
+    *,
+    flags_in_effect: tuple[xla_flags.Flag, ...] | None = None,
+    optimizer: DistributedOptimizer | None = None,
+) -> AppliedStrategy:
+    """What `strategy` does in fleetjax: the train step's plan, the optimizer rebuild, the XLA
+    flags and the settings without effect. Nothing runs on a device, and no backend starts.
+
+    Validates as `make_train_step` does: raises for settings fleetjax cannot apply, and warns
+    once (`StrategyWarning`) for each setting without effect.
+
+    Args:
+      strategy: a `DistributedStrategy` or `Strategy`.
+      mesh: the mesh it runs on (default: the degrees the strategy asks for).
+      flags_in_effect: the XLA flags in effect (what `fleet.init` applied); the flags the
+        strategy asks for that are not are listed as without effect. Default: all it asks for.
+      optimizer: the optimizer bound to the strategy, to show what it was rebuilt as.
+    """
+    if not isinstance(strategy, (DistributedStrategy, Strategy)):
+        raise TypeError(
+            "strategy must be a fleetjax.DistributedStrategy or fleetjax.Strategy, "
+            f"got {type(strategy).__name__}"
+        )
+    plan = read_plan(strategy)
+    sizes = dict(mesh.shape) if mesh is not None else strategy_degrees(strategy)
+    flags = xla_flags.flags_for(strategy)
+    missing = ()
+    if flags_in_effect is not None:
+        missing = tuple(_not_in_effect(f) for f in flags if f not in flags_in_effect)
+        flags = tuple(flags_in_effect)
+    return AppliedStrategy(
+        strategy=type(strategy).__name__,
+        mesh={a: sizes[a] for a in AXES},
+        applied=_settings(plan, strategy, sizes, optimizer),
+        xla_flags=flags,
+        ignored=_no_effect(strategy, plan) + missing,
+        plan=plan,
+    )
+
+
+# -- what the step applies ---------------------------------------------------------------------
+
+
+def _settings(
+    plan: Plan,
+    strategy: DistributedStrategy | Strategy,
+    sizes: Mapping[str, int],
+    optimizer: DistributedOptimizer | None,
+) -> tuple[Setting, ...]:
+    dp = "dp" if sizes["dp"] == -1 else f"dp={sizes['dp']}"
+    data = f"{dp} x sharding={sizes['sharding']}"
+    switch = next((s for s in SWITCHES if getattr(strategy, s, False)), None)
+    gradients = (
+        f"each replica computes its own gradient and steps its own optimizer state ({switch} "
+        "does its own communication)"
+        if plan.per_replica
+        else "gradients are averaged over the replicas"
+    )
+    found = [Setting("data parallel", f"the batch is split over {data}; {gradients}")]
+    if sizes["mp"] > 1:
+        found.append(
+            Setting(
+                "tensor parallel",
+                f"parameters split over mp={sizes['mp']} by their logical axis names "
+                "(fleetjax.layers) or param_specs",
+            )
+        )
+    if plan.pipeline is not None:
+        p = plan.pipeline
+        vpp = f", vpp_degree={p.vpp_degree}" if p.vpp_degree else ""
+        found.append(
+            Setting(
+                "pipeline",
+                f"{p.schedule_mode} over pp={sizes['pp']}, micro_batch_size={p.micro_batch_size}, "
+                f"accumulate_steps={p.accumulate_steps}{vpp}",
+            )
+        )
+    if plan.sharding_stage:
+        held = ["optimizer state", "gradients", "parameters"][: plan.sharding_stage]
+        offload = "; the optimizer state lives in pinned host memory" * plan.optimizer_offload
+        found.append(
+            Setting(
+                "sharding",
+                f"ZeRO stage {plan.sharding_stage} over sharding={sizes['sharding']}: "
+                f"{', '.join(held)} split{offload}",
+            )
+        )
+    if plan.amp is not None:
+        found.append(Setting("amp", _amp(plan.amp)))
+    if plan.recompute is not None:
+        r = plan.recompute
+        kept = [f"keeps {list(r.checkpoints)}"] if r.checkpoints else []
+        kept += [f"policy {r.policy}"] if r.policy else []
+        kept += [f"checkpoint_shape {list(r.checkpoint_shape)}"] if r.checkpoint_shape else []
+        kept += ["kept activations offloaded to pinned host memory"] if r.offload else []
+        found.append(
+            Setting("recompute", "layers marked with fleetjax.recompute; " + ", ".join(kept))
+        )
+    if plan.gradient_merge is not None:
+        g = plan.gradient_merge
+        when = (
+            f"{g.k_steps} micro-batches in one call"
+            if g.in_step
+            else f"the optimizer steps once every {g.k_steps} calls"
+        )
+        found.append(
+            Setting(
+                "gradient merge",
+                f"k_steps={g.k_steps}, {'mean' if g.avg else 'sum'} of the gradients; {when}",
+            )
+        )
+    if plan.allreduce_dtype is not None:
+        found.append(Setting("fp16 allreduce", f"gradients all-reduced in {plan.allreduce_dtype}"))
+    if plan.hierarchical is not None:
+        nodes = plan.hierarchical.ranks_per_node
+        node = f"nodes of {nodes} replicas" if nodes else "nodes (one process's replicas each)"
+        found.append(
+            Setting(
+                "hierarchical allreduce",
+                f"gradients reduced in two levels: within {node}, then across nodes",
+            )
+        )
+    if switch is not None:
+        found.append(Setting("optimizer", _optimizer(strategy, switch, optimizer)))
+    if plan.iterations_per_run is not None:
+        found.append(
+            Setting(
+                "steps per run",
+                f"TrainStep.run scans {plan.iterations_per_run} steps in one compiled call "
+                "(execution_strategy.num_iteration_per_run)",
+            )
+        )
+    if isinstance(strategy, DistributedStrategy) and strategy.sync_batch_norm:
+        found.append(
+            Setting(
+                "sync batch norm",
+                "fleet.distributed_model makes BatchNorm layers compute statistics over all "
+                "replicas",
+            )
+        )
+    return tuple(found)
+
+
+def _amp(config: Any) -> str:
+    policy = config.policy
+    parts = [f"{jnp.dtype(policy.dtype).name} {policy.level}"]
+    white, black = policy.white - amp.DEFAULT_WHITE, policy.black - amp.DEFAULT_BLACK
+    parts += [f"also in half precision: {sorted(white)}"] if white else []
+    parts += [f"also in float32: {sorted(black)}"] if black else []
+    parts += [f"float32 values {sorted(policy.black_names)}"] if policy.black_names else []
+    parts += ["only inside fp16_guard()"] if policy.guard else []
+    s = config.loss_scaling
+    if s is None:
+        parts.append("no loss scaling")
+    elif s.dynamic:
+        parts.append(
+            f"dynamic loss scaling from {s.init_loss_scaling:g} (x{s.incr_ratio:g} after "
+            f"{s.incr_every_n_steps} finite steps, x{s.decr_ratio:g} after "
+            f"{s.decr_every_n_nan_or_inf} non-finite), a non-finite step skipped"
+        )
+    else:
+        parts.append(f"a fixed loss scale of {s.init_loss_scaling:g}, a non-finite step skipped")
+    return ", ".join(parts)
+
+
+_REBUILDS = {
+    "lars": ("a Momentum is rebuilt as LARS momentum", "lars_configs"),
+    "lamb": ("an Adam is rebuilt as LAMB", "lamb_configs"),
+    "dgc": ("a Momentum is rebuilt as DGC momentum (top-k sparse exchange)", "dgc_configs"),
+    "localsgd": (
+        "each replica trains its own parameters, averaged periodically",
+        "localsgd_configs",
+    ),
+    "adaptive_localsgd": (
+        "each replica trains its own parameters, averaged at an interval that follows the loss",
+        "adaptive_localsgd_configs",
+    ),
+}
+
+
+def _optimizer(
+    strategy: DistributedStrategy, switch: str, optimizer: DistributedOptimizer | None
+) -> str:
+    what, section = _REBUILDS[switch]
+    text = f"{what}: {section} {dict(getattr(strategy, section))}"
+    if optimizer is not None and isinstance(optimizer.inner, PaddleOptimizer):
+        text += f"; {optimizer.user!r} became {optimizer.inner!r}"
+    return text
+
+
+# -- what has no effect ------------------------------------------------------------------------
+
+
+def _value(message: Message, path: str) -> Any:
+    for name in path.split("."):
+        message = getattr(message, name)
+    return message.non_defaults() if isinstance(message, Message) else message
+
+
+def _no_effect(
+    strategy: DistributedStrategy | Strategy, plan: Plan
+) -> tuple[xla_flags.Ignored, ...]:
+    """The settings `read_plan` warns about, each with its reason: fields whose schema notes
+    they have no effect (`fleetjax._support`), fusions XLA cannot turn off
+    (`xla_flags.ignored_knobs`) and fp16_allreduce under ZeRO (`fleetjax._plan`)."""
+    found = [
+        xla_flags.Ignored(f"{path}={_value(strategy, path)!r}", note)
+        for path, note in _support._noted_fields(strategy)
+    ]
+    zero = isinstance(strategy, DistributedStrategy) and plan.sharding_stage
+    if zero and strategy.fp16_allreduce:
+        found.append(
+            xla_flags.Ignored(
+                "fp16_allreduce=True",
+                "turned off under ZeRO sharding, as Paddle does (its gradients are "
+                "reduce-scattered over the sharding axis by the compiler)",
+            )
+        )
+    return tuple(found) + xla_flags.ignored_knobs(strategy)
+
+
+def _not_in_effect(flag: xla_flags.Flag) -> xla_flags.Ignored:
+    present = xla_flags._parse(os.environ.get("XLA_FLAGS", "")).get(flag.name)
+    if present is not None and present != flag.value:
+        why = f"XLA_FLAGS sets --{flag.name}={present}, which wins over {flag}"
+    else:
+        why = (
+            f"{flag} is not in effect: the installed jaxlib refuses it, or JAX's backend had "
+            "started before fleet.init (see the StrategyWarning fleet.init gave)"
+        )
+    return xla_flags.Ignored(flag.knob, why)

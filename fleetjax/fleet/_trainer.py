@@ -1,0 +1,307 @@
+"""`Trainer`: Paddle's dygraph training loop as a small stateful object over the train step.
+
+Paddle trains with `loss = model(x); loss.backward(); opt.step(); opt.clear_grad()`. In JAX the
+forward pass, the backward pass, the communication and the update are one compiled call, the
+`TrainStep` of `make_train_step`; a `Trainer` holds its `TrainState` and the model:
+
+    trainer = fleet.Trainer(loss_fn, model, fleet.distributed_optimizer(optimizers.adam(1e-3)))
+    for batch in batches:
+        loss = trainer.minimize(batch)
+
+Every strategy applies exactly as with the functional step, which it calls once per
+`minimize` (or per `backward` + `step`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from fleetjax.layers import partition_specs
+from fleetjax.optimizers import DistributedOptimizer, get_lr, param_names, set_lr
+from fleetjax.step import TrainState, TrainStep, make_train_step
+from fleetjax.strategy import DistributedStrategy, Strategy
+
+__all__ = ["Trainer"]
+
+_HELD = (
+    "gradients from an earlier backward() are still held: call clear_grad() first (Paddle "
+    "would add the new gradients to them; to accumulate gradients over several batches, "
+    "use the strategy's gradient_merge)"
+)
+
+
+class Trainer:
+    """A model, its optimizer state and a compiled train step, trained in place.
+
+    `minimize(batch)` runs one step of `make_train_step(loss_fn, optimizer, ...)` on `batch`
+    and updates the state (and an nnx model's parameters) in place. `backward(batch)`,
+    `step()` and `clear_grad()` are Paddle's `loss.backward()`, `opt.step()` and
+    `opt.clear_grad()`: `backward` holds the batch, `step` computes its gradients and applies
+    them in one compiled call, `clear_grad` drops gradients not applied yet.
+
+    Attributes:
+      loss_fn: the loss, `loss_fn(model, batch[, rng])` for an nnx Module, else
+        `loss_fn(params, batch[, rng])`.
+      train_step: the `TrainStep` it calls.
+      state: the `TrainState` (its `params` are the nnx Module's `nnx.Param`s as a pure dict).
+      metrics: the metrics of the last step (None before the first).
+    """
+
+    def __init__(
+        self,
+        loss_fn: Callable[..., Any],
+        model: Any,
+        optimizer: DistributedOptimizer | optax.GradientTransformation,
+        *,
+        strategy: DistributedStrategy | Strategy | None = None,
+        mesh: Mesh | None = None,
+        has_aux: bool = False,
+        has_rng: bool = False,
+        param_specs: Any = None,
+        seed: int | jax.Array = 0,
+        state: TrainState | None = None,
+    ) -> None:
+        """Build the train step for `loss_fn` and the initial state (or take `state`).
+
+        Args:
+          loss_fn: for an nnx Module, `loss_fn(model, batch[, rng])`, called on the model
+            with the trained parameters; else `loss_fn(params, batch[, rng])`, as
+            `make_train_step` takes it.
+          model: a flax nnx Module (its `nnx.Param`s are trained; its other variables, such
+            as BatchNorm statistics, stay as they are and the loss must not change them), or
+            a pytree of parameters (`PipelineParams` under a pipeline).
+          optimizer: one from `fleet.distributed_optimizer`, or any optax transformation.
+          strategy, mesh: as `make_train_step` takes them (default: the optimizer's).
+          has_aux, has_rng, param_specs: as `make_train_step` takes them; an nnx Module's
+            `param_specs` default to its parameters' logical axis names.
+          seed: the seed of the step key (`has_rng`).
+          state: a `TrainState` to continue from instead of a fresh one (from another
+            Trainer or a checkpoint); the model's parameters are then not used.
+        """
+        self.loss_fn = loss_fn
+        self._module = model if isinstance(model, nnx.Module) else None
+        step_loss, params = loss_fn, model
+        if self._module is not None:
+            graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)
+            params = nnx.to_pure_dict(param_state)
+            if param_specs is None:
+                at = mesh if mesh is not None else getattr(optimizer, "mesh", None)
+                param_specs = nnx.to_pure_dict(partition_specs(param_state, mesh=at))
+            step_loss = _module_loss(loss_fn, graphdef, nnx.to_pure_dict(rest))
+        self.train_step: TrainStep = make_train_step(
+            step_loss,
+            optimizer,
+            strategy,
+            mesh,
+            has_aux=has_aux,
+            has_rng=has_rng,
+            param_specs=param_specs,
+        )
+        self.state: TrainState = state if state is not None else self.train_step.init(params, seed)
+        self.metrics: dict[str, Any] | None = None
+        self._batch: Any = None  # held by backward() for step()
+        self._applied = False  # step() applied the held gradients; clear_grad() not called yet
+        self._sync_model()
+
+    @property
+    def params(self) -> Any:
+        """The trained parameters (`state.params`; stacked per replica under LocalSGD)."""
+        return self.state.params
+
+    @property
+    def model(self) -> Any:
+        """The nnx Module with the trained parameters, or the parameters pytree; under LocalSGD,
+        replica 0's."""
+        return self._module if self._module is not None else self._first_replica(self.params)
+
+    # -- Paddle's dygraph optimizer calls --------------------------------------------------------
+
+    def minimize(self, batch: Any) -> jax.Array:
+        """One training step on `batch` (forward, backward, communication and update in one
+        compiled call); returns the loss. `metrics` holds all the step's metrics.
+
+        Raises:
+          RuntimeError: if `backward` or `step` left gradients that `clear_grad` did not drop.
+        """
+        if self._batch is not None or self._applied:
+            raise RuntimeError(_HELD)
+        return self._run(batch)
+
+    def backward(self, batch: Any) -> None:
+        """Paddle's `loss.backward()`: the gradients of the loss on `batch` are what the next
+        `step()` applies (it computes them, with the update, in one compiled call).
+
+        Raises:
+          RuntimeError: if gradients are held already (Paddle would add them up).
+        """
+        if self._batch is not None or self._applied:
+            raise RuntimeError(_HELD)
+        self._batch = batch
+
+    def step(self) -> jax.Array:
+        """Paddle's `opt.step()`: compute the gradients `backward` asked for and apply them;
+        returns the loss.
+
+        Raises:
+          RuntimeError: without a `backward` since the last `clear_grad`, or if `step` already
+            applied its gradients (Paddle would apply them again).
+        """
+        if self._batch is None:
+            raise RuntimeError(
+                "step() already applied the gradients of the last backward(); call "
+                "clear_grad() and backward(batch) for new ones"
+                if self._applied
+                else "step() has no gradients to apply: call backward(batch) first"
+            )
+        loss = self._run(self._batch)
+        self._batch, self._applied = None, True
+        return loss
+
+    def clear_grad(self) -> None:
+        """Paddle's `opt.clear_grad()`: drop the gradients of the last `backward`."""
+        self._batch, self._applied = None, False
+
+    # -- optimizer state and learning rate --------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer state as a plain nested dict of arrays (copies), keyed by the state's
+        field names, sequence positions and parameter names, e.g.
+        `sd["0"]["inner_state"]["0"]["mu"]["dense"]["kernel"]`."""
+        return _nested(jax.tree.map(lambda x: x.copy(), self.state.opt_state))
+
+    def set_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load an optimizer state from `state_dict` (as `state_dict` returns it, with jax or
+        numpy arrays), placed as this trainer's step places it: a state saved on another mesh
+        or under another strategy loads if it has the same entries and shapes. Values are cast
+        to the state's dtypes.
+
+        Raises:
+          TypeError: if `state_dict` is not a mapping.
+          ValueError: naming each entry that is missing, extra or of another shape.
+        """
+        opt_state = _from_nested(state_dict, self.state.opt_state)
+        self.state = self.state._replace(opt_state=opt_state)
+
+    def get_lr(self) -> float:
+        """The learning rate of the next step (Paddle's `get_lr`).
+
+        Raises:
+          ValueError: if the optimizer keeps no learning rate in its state (build it with
+            `fleetjax.optimizers.sgd/momentum/adam/adamw`).
+        """
+        return float(np.ravel(jax.device_get(get_lr(self.state.opt_state)))[0])
+
+    def set_lr(self, value: float) -> None:
+        """Use the learning rate `value` from the next step on (Paddle's `set_lr`).
+
+        Raises:
+          ValueError: if the optimizer keeps no learning rate in its state, or it follows a
+            schedule.
+          TypeError: if `value` is not a number.
+        """
+        old = self.state.opt_state
+        new = set_lr(old, value)
+        # Per-replica optimizer states keep one copy of the learning rate per replica.
+        new = jax.tree.map(lambda n, o: jax.numpy.broadcast_to(n, o.shape), new, old)
+        placed = jax.device_put(new, jax.tree.map(lambda x: x.sharding, old))
+        self.state = self.state._replace(opt_state=placed)
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _run(self, batch: Any) -> jax.Array:
+        self.state, self.metrics = self.train_step(self.state, batch)
+        self._sync_model()
+        return self.metrics["loss"]
+
+    def _first_replica(self, params: Any) -> Any:
+        if self.train_step.plan.replica_params:
+            return jax.tree.map(lambda x: x[0], params)
+        return params
+
+    def _sync_model(self) -> None:
+        if self._module is not None:
+            nnx.update(self._module, self._first_replica(self.params))
+
+
+def _module_loss(
+    loss_fn: Callable[..., Any], graphdef: nnx.GraphDef, rest: dict[str, Any]
+) -> Callable[..., Any]:
+    """`loss_fn(model, batch, ...)` as a loss of the parameters (a pure dict), with the
+    module's other variables, `rest`, fixed."""
+    before = _flat(rest)
+
+    def loss(params: dict[str, Any], batch: Any, *extra: Any) -> Any:
+        model = nnx.merge(graphdef, params, rest)
+        out = loss_fn(model, batch, *extra)
+        after = _flat(nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))))
+        changed = [name for name, value in after.items() if before.get(name) is not value]
+        if changed:
+            raise ValueError(
+                f"the loss changes the model's {', '.join(changed)}, which are not nnx.Params: "
+                "the train step carries only parameters from one step to the next, so these "
+                "changes would be lost (BatchNorm running statistics, nnx.Rngs counters). Call "
+                "the layers in evaluation mode (model.eval()), pass dropout keys explicitly "
+                "(has_rng=True gives the loss a fresh key each step), or train with your own "
+                "loop"
+            )
+        return out
+
+    return loss
+
+
+# -- optimizer state as a nested dict ------------------------------------------------------------
+
+
+def _flat(tree: Any) -> dict[str, Any]:
+    """{"a/b/c": leaf} for every leaf of `tree`, named by its path."""
+    return dict(zip(jax.tree.leaves(param_names(tree)), jax.tree.leaves(tree), strict=True))
+
+
+def _nested(tree: Any) -> dict[str, Any]:
+    """`tree`'s leaves in plain nested dicts, keyed by their paths."""
+    out: dict[str, Any] = {}
+    for name, leaf in _flat(tree).items():
+        *parents, last = name.split("/")
+        node = out
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = leaf
+    return out
+
+
+def _from_nested(state_dict: Mapping[str, Any], like: Any) -> Any:
+    """`like` (placed arrays) with the values of `state_dict`, checked and placed like it."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"state_dict must be a nested dict of arrays, got {type(state_dict).__name__}"
+        )
+    given, wanted = _flat(state_dict), _flat(like)
+    problems = [f"{name!r} is missing" for name in wanted if name not in given]
+    problems += [f"{name!r} is not in the optimizer state" for name in given if name not in wanted]
+    problems += [
+        f"{name!r} has shape {np.shape(given[name])}, the optimizer state's is {x.shape}"
+        for name, x in wanted.items()
+        if name in given and np.shape(given[name]) != x.shape
+    ]
+    if problems:
+        raise ValueError(
+            "state_dict does not fit this optimizer state (another optimizer, or another "
+            "strategy's layout of it): " + "; ".join(problems)
+        )
+
+    def placed(value: Any, x: jax.Array) -> jax.Array:
+        value = value if isinstance(value, jax.Array) else np.asarray(value)
+        # Cast where it is, before it moves (perhaps to pinned host memory).
+        return jax.device_put(
+            value if value.dtype == x.dtype else value.astype(x.dtype), x.sharding
+        )
+
+    values = [placed(given[name], x) for name, x in wanted.items()]
+    return jax.tree.unflatten(jax.tree.structure(like), values)

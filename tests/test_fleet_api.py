@@ -1,0 +1,545 @@
+"""The rest of Paddle's Fleet API: `distributed_model`, the stateful `Trainer` (minimize,
+backward / step / clear_grad) against the functional step, the optimizer's state_dict and
+learning rate, and what `applied_strategy` / `strategy.explain()` report."""
+
+import pathlib
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import fleetjax
+from fleetjax import StrategyWarning, fleet, optimizers, xla_flags
+from fleetjax._applied import applied_strategy
+from fleetjax._plan import read_plan
+from fleetjax.fleet import Trainer
+from fleetjax.fleet._model import distributed_model
+from fleetjax.layers import BatchNorm, ColumnParallelLinear, RowParallelLinear, partition_specs
+from fleetjax.mesh import batch_sharding, mesh_from_strategy
+from fleetjax.transforms.pipeline import PipelineParams
+
+DS = fleetjax.DistributedStrategy
+
+
+class MLP(nnx.Module):
+    def __init__(self, width: int = 8, seed: int = 0) -> None:
+        rngs = nnx.Rngs(seed)
+        self.l1 = nnx.Linear(4, width, rngs=rngs)
+        self.l2 = nnx.Linear(width, 1, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.l2(jnp.tanh(self.l1(x)))
+
+
+class Megatron(nnx.Module):
+    """A tensor-parallel MLP block with a BatchNorm."""
+
+    def __init__(self) -> None:
+        self.up = ColumnParallelLinear(
+            64, 128, has_bias=True, gather_output=False, rngs=nnx.Rngs(0)
+        )
+        self.down = RowParallelLinear(128, 64, input_is_parallel=True, rngs=nnx.Rngs(1))
+        self.norm = nnx.BatchNorm(64, momentum=0.8, epsilon=1e-3, rngs=nnx.Rngs(2))
+
+
+def mse(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def batches(count=4, rows=16, seed=0):
+    rng = np.random.RandomState(seed)
+    return [
+        {"x": rng.randn(rows, 4).astype(np.float32), "y": rng.randn(rows, 1).astype(np.float32)}
+        for _ in range(count)
+    ]
+
+
+def pure_params(model):
+    return jax.tree.map(jnp.copy, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+
+def functional_losses(strategy, optimizer, data, width=8):
+    """The functional step on the same model's parameters: (losses, final params)."""
+    graphdef, params = nnx.split(MLP(width), nnx.Param)
+    step = fleetjax.make_train_step(
+        lambda p, b: mse(nnx.merge(graphdef, p), b), optimizer, strategy
+    )
+    state, losses = step.init(nnx.to_pure_dict(params)), []
+    for batch in data:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return losses, state.params
+
+
+def spec_of(x):
+    return x.sharding.spec
+
+
+# -- distributed_model ---------------------------------------------------------------------------
+
+
+ZERO3_MP = DS(
+    sharding=True,
+    sharding_configs={"stage": 3, "sharding_degree": 2},
+    hybrid_configs={"dp_degree": 2, "sharding_degree": 2, "mp_degree": 2},
+)
+
+
+def test_places_an_nnx_model_as_the_step_places_its_parameters():
+    mesh = mesh_from_strategy(ZERO3_MP)
+    model = Megatron()
+    specs = nnx.to_pure_dict(partition_specs(nnx.state(model, nnx.Param)))
+    step = fleetjax.make_train_step(
+        lambda p, b: 0.0, optax.sgd(0.1), ZERO3_MP, mesh, param_specs=specs
+    )
+    expected = jax.tree.map(spec_of, step.init(pure_params(model)).params)
+
+    assert distributed_model(model, ZERO3_MP, mesh) is model
+    placed = jax.tree.map(spec_of, pure_params(model))
+    assert placed == expected
+    # Tensor parallel from the logical names, then ZeRO-3 over `sharding` on top.
+    assert placed["up"] == {"bias": P("mp"), "weight": P("sharding", "mp")}
+    assert placed["down"]["weight"] == P("mp", "sharding")
+
+
+def test_places_pytrees_and_linen_variables():
+    strategy = DS(hybrid_configs={"dp_degree": 4, "mp_degree": 2})
+    mesh = mesh_from_strategy(strategy)
+    params = distributed_model({"w": np.ones((4, 8), np.float32)}, strategy, mesh)
+    assert params["w"].sharding.is_fully_replicated and params["w"].sharding.mesh == mesh
+
+    class Dense(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            init = nn.with_logical_partitioning(nn.initializers.ones, ("embed", "mlp"))
+            return nn.Dense(8, kernel_init=init)(x)
+
+    variables = Dense().init(jax.random.key(0), jnp.ones((1, 4)))
+    placed = distributed_model(variables, strategy, mesh)
+    kernel = placed["params"]["Dense_0"]["kernel"]
+    assert isinstance(kernel, nn.LogicallyPartitioned) and kernel.names == ("embed", "mlp")
+    assert kernel.value.sharding.spec == P(None, "mp")
+    with pytest.raises(TypeError, match="param_specs is for pytrees of arrays"):
+        distributed_model(MLP(), strategy, mesh, param_specs={})
+
+
+def test_linen_batch_norm_cannot_follow_local_statistics():
+    strategy, variables = DS(), {"params": {}, "batch_stats": {"mean": np.zeros(3, np.float32)}}
+    with pytest.warns(StrategyWarning, match="cannot convert flax linen BatchNorm"):
+        distributed_model(variables, strategy, mesh_from_strategy(strategy))
+
+
+def run_norm(layer, mesh, x):
+    """One training forward of `layer` on `x` split over the data axes."""
+    graphdef, state = nnx.split(layer)
+
+    def forward(state, x):
+        layer = nnx.merge(graphdef, state)
+        return layer(x), nnx.state(layer)
+
+    with jax.set_mesh(mesh):
+        y, state = jax.block_until_ready(
+            jax.jit(forward)(state, jax.device_put(x, batch_sharding(mesh)))
+        )
+    nnx.update(layer, state)
+    return np.asarray(y)
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_nnx_batch_norm_becomes_fleetjax_batch_norm_honouring_sync_batch_norm(sync):
+    strategy = DS(sync_batch_norm=sync)  # dp=8
+    mesh = mesh_from_strategy(strategy)
+    model = Megatron()
+    model.norm.scale[...] = jnp.arange(64.0) / 64 + 0.5
+    model.norm.mean[...] = jnp.full(64, 0.25)
+    original = nnx.clone(model.norm)
+
+    distributed_model(model, strategy, mesh)
+    norm = model.norm
+    assert isinstance(norm, BatchNorm) and norm.sync is sync
+    assert (norm.momentum, norm.epsilon, norm.groups) == (0.8, 1e-3, 1 if sync else 8)
+    np.testing.assert_array_equal(norm.scale[...], original.scale[...])
+    np.testing.assert_array_equal(norm.mean[...], np.full((norm.groups, 64), 0.25))
+
+    x = np.random.RandomState(0).randn(16, 64).astype(np.float32) * 3 + 1
+    y = run_norm(norm, mesh, x)
+    if sync:  # what the nnx layer computes over the whole batch
+        expected, expected_mean = np.asarray(original(x)), np.asarray(original.mean[...])[None]
+    else:  # what it computes on each replica's 2 rows
+        parts = [nnx.clone(original) for _ in range(8)]
+        expected = np.concatenate(
+            [np.asarray(p(x[2 * r : 2 * r + 2])) for r, p in enumerate(parts)]
+        )
+        expected_mean = np.stack([np.asarray(p.mean[...]) for p in parts])
+    np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(norm.mean[...], expected_mean, rtol=1e-5, atol=1e-6)
+
+
+def test_fleetjax_batch_norms_follow_the_strategy():
+    mesh = mesh_from_strategy(DS())
+    explicit_sync, local = BatchNorm(4, sync=True), BatchNorm(4, replicas=2)
+    distributed_model(nnx.List([explicit_sync, local]), DS(), mesh)
+    assert explicit_sync.sync and explicit_sync.groups == 1  # Paddle never converts back
+    assert not local.sync and local.mean[...].shape == (8, 4)  # one row per replica
+    distributed_model(nnx.List([local]), DS(sync_batch_norm=True), mesh)
+    assert local.sync and local.groups == 1
+
+
+def test_a_batch_norm_model_is_returned_converted():
+    converted = distributed_model(
+        nnx.BatchNorm(3, rngs=nnx.Rngs(0)), DS(), mesh_from_strategy(DS())
+    )
+    assert isinstance(converted, BatchNorm) and converted.groups == 8
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"axis_name": "batch"}, r"model.norm is an nnx.BatchNorm with axis_name='batch'"),
+        ({"use_fast_variance": False}, r"model.norm is an nnx.BatchNorm with use_fast_variance"),
+    ],
+)
+def test_batch_norms_that_cannot_be_converted(kwargs, message):
+    model = Megatron()
+    model.norm = nnx.BatchNorm(64, rngs=nnx.Rngs(0), **kwargs)
+    with pytest.raises(ValueError, match=message):
+        distributed_model(model, DS(), mesh_from_strategy(DS()))
+
+
+def test_pipeline_places_the_stacked_layers_over_pp():
+    strategy = DS(pipeline=True, hybrid_configs={"pp_degree": 2})
+    mesh = mesh_from_strategy(strategy)
+    parts = PipelineParams({"e": np.ones(4, np.float32)}, {"w": np.ones((4, 8, 8), np.float32)}, {})
+    placed = distributed_model(parts, strategy, mesh)
+    assert placed.layers["w"].sharding.spec == P("pp")  # layers split by stage
+    with pytest.raises(TypeError, match="pass the model's PipelineParams"):
+        distributed_model(MLP(), strategy, mesh)
+
+
+# -- Trainer -------------------------------------------------------------------------------------
+
+STRATEGIES = {
+    "dp8": DS(),
+    "gradient_merge": DS(gradient_merge=True, gradient_merge_configs={"k_steps": 2}),
+    "zero2": DS(
+        sharding=True,
+        sharding_configs={"stage": 2, "sharding_degree": 2},
+        hybrid_configs={"dp_degree": 4, "sharding_degree": 2},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_minimize_equals_the_functional_step(name):
+    strategy, data = STRATEGIES[name], batches()
+    expected_losses, expected_params = functional_losses(strategy, optimizers.adam(0.01), data)
+    model = MLP()
+    trainer = Trainer(mse, model, fleetjax.distributed_optimizer(optimizers.adam(0.01), strategy))
+    losses = [float(trainer.minimize(batch)) for batch in data]
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-6)
+    # The nnx model holds the trained parameters, the same arrays as the state.
+    jax.tree.map(np.testing.assert_array_equal, pure_params(model), jax.device_get(expected_params))
+    assert trainer.model is model and model.l1.kernel[...] is trainer.params["l1"]["kernel"]
+
+
+def test_backward_step_clear_grad():
+    data = batches(2)
+    expected, _ = functional_losses(DS(), optimizers.sgd(0.1), data)
+    trainer = Trainer(mse, MLP(), optimizers.sgd(0.1))
+    with pytest.raises(RuntimeError, match=r"no gradients to apply: call backward\(batch\) first"):
+        trainer.step()
+    losses = []
+    for batch in data:
+        trainer.backward(batch)
+        losses.append(float(trainer.step()))
+        with pytest.raises(RuntimeError, match="already applied"):
+            trainer.step()
+        with pytest.raises(RuntimeError, match=r"still held: call clear_grad\(\) first"):
+            trainer.backward(batch)
+        with pytest.raises(RuntimeError, match="still held"):
+            trainer.minimize(batch)
+        trainer.clear_grad()
+    np.testing.assert_allclose(losses, expected, rtol=1e-6)
+    # clear_grad drops gradients that step() did not apply.
+    before = pure_params(trainer.model)
+    trainer.backward(data[0])
+    trainer.clear_grad()
+    assert int(trainer.state.step) == 2
+    jax.tree.map(np.testing.assert_array_equal, pure_params(trainer.model), before)
+
+
+def test_a_loss_that_changes_batch_statistics_is_refused():
+    class Normed(MLP):
+        def __init__(self):
+            super().__init__()
+            self.norm = nnx.BatchNorm(1, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            return self.norm(super().__call__(x))
+
+    trainer = Trainer(mse, Normed(), optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"the loss changes the model's norm/mean, norm/var"):
+        trainer.minimize(batches(1)[0])
+    assert int(trainer.state.step) == 0
+
+
+# -- optimizer state and learning rate -----------------------------------------------------------
+
+
+def test_state_dict_is_a_nested_dict_that_loads_onto_another_strategy():
+    data = batches(3)
+    dp = Trainer(mse, MLP(width=1024), optimizers.adam(0.01))
+    for batch in data[:2]:
+        dp.minimize(batch)
+    state_dict = dp.state_dict()
+    moment = state_dict["0"]["inner_state"]["0"]["mu"]["l1"]["kernel"]
+    assert isinstance(moment, jax.Array) and moment.shape == (4, 1024)
+
+    zero1 = DS(sharding=True, sharding_configs={"stage": 1, "sharding_degree": 4},
+               hybrid_configs={"dp_degree": 2, "sharding_degree": 4})  # fmt: skip
+    sharded = Trainer(mse, dp.model, fleetjax.distributed_optimizer(optimizers.adam(0.01), zero1))
+    sharded.set_state_dict(jax.tree.map(np.asarray, state_dict))  # numpy arrays load too
+    loaded = sharded.state.opt_state[0].inner_state[0].mu["l1"]["kernel"]
+    assert loaded.sharding.spec == P(None, "sharding")  # placed as ZeRO-1 places it
+    np.testing.assert_array_equal(loaded, moment)
+
+    expected = float(dp.minimize(data[2]))
+    assert float(sharded.minimize(data[2])) == pytest.approx(expected, rel=1e-6)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+        pure_params(sharded.model),
+        pure_params(dp.model),
+    )
+
+
+def test_set_state_dict_names_what_does_not_fit():
+    trainer = Trainer(mse, MLP(), optimizers.adam(0.01))
+    good = trainer.state_dict()
+    with pytest.raises(TypeError, match="state_dict must be a nested dict of arrays, got list"):
+        trainer.set_state_dict([])
+    bad = trainer.state_dict()
+    del bad["0"]["inner_state"]["0"]["nu"]["l1"]["bias"]
+    bad["0"]["inner_state"]["0"]["mu"]["l1"]["kernel"] = np.zeros((3, 3))
+    bad["extra"] = np.zeros(2)
+    with pytest.raises(ValueError) as error:
+        trainer.set_state_dict(bad)
+    message = str(error.value)
+    assert "'0/inner_state/0/nu/l1/bias' is missing" in message
+    assert "'extra' is not in the optimizer state" in message
+    assert "'0/inner_state/0/mu/l1/kernel' has shape (3, 3), the optimizer state's is (4, 8)" in (
+        message
+    )
+    merged = DS(gradient_merge=True, gradient_merge_configs={"k_steps": 2})
+    other = Trainer(mse, MLP(), fleetjax.distributed_optimizer(optimizers.adam(0.01), merged))
+    with pytest.raises(ValueError, match="'acc_grads/l1/bias' is missing"):
+        other.set_state_dict(good)
+
+
+def test_get_lr_set_lr():
+    trainer = Trainer(mse, MLP(), optimizers.sgd(0.01))
+    assert trainer.get_lr() == pytest.approx(0.01)
+    for lr in [0.2, 0.3, 0.4, 0.5, 0.6]:  # Paddle's example
+        trainer.set_lr(lr)
+        assert trainer.get_lr() == pytest.approx(lr)
+    # The next step uses it: p - 0.6 * grad.
+    batch, before = batches(1)[0], pure_params(trainer.model)
+    graphdef = nnx.graphdef(trainer.model)
+    grads = jax.grad(lambda p: mse(nnx.merge(graphdef, p), batch))(before)
+    trainer.minimize(batch)
+    expected = jax.tree.map(lambda p, g: p - 0.6 * g, before, grads)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+        pure_params(trainer.model),
+        expected,
+    )
+
+
+def test_learning_rate_errors():
+    with pytest.raises(ValueError, match="fleetjax.optimizers.sgd/momentum/adam/adamw"):
+        Trainer(mse, MLP(), optax.adam(0.01)).get_lr()
+    scheduled = Trainer(mse, MLP(), optimizers.sgd(optax.constant_schedule(0.05)))
+    assert scheduled.get_lr() == pytest.approx(0.05)
+    with pytest.raises(ValueError, match="cannot change a learning rate that follows a schedule"):
+        scheduled.set_lr(0.1)
+    with pytest.raises(TypeError, match="set_lr needs a number"):
+        Trainer(mse, MLP(), optimizers.sgd(0.01)).set_lr("fast")
+
+
+def test_per_replica_learning_rate_and_model():
+    localsgd = DS(localsgd=True, localsgd_configs={"k_steps": 2})
+    model = MLP()
+    trainer = Trainer(mse, model, fleetjax.distributed_optimizer(optimizers.sgd(0.1), localsgd))
+    assert trainer.get_lr() == pytest.approx(0.1)
+    trainer.set_lr(0.05)
+    assert trainer.get_lr() == pytest.approx(0.05)
+    trainer.minimize(batches(1)[0])
+    # Each replica has its own parameters; the model holds replica 0's.
+    assert trainer.params["l1"]["kernel"].shape == (8, 4, 8)
+    np.testing.assert_array_equal(model.l1.kernel[...], trainer.params["l1"]["kernel"][0])
+
+
+# -- the fleet's dygraph calls -------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_fleet(monkeypatch):
+    for name in ("PADDLE_TRAINER_ID", "PADDLE_TRAINER_ENDPOINTS", "PADDLE_TRAINERS_NUM"):
+        monkeypatch.delenv(name, raising=False)
+    jax.devices()  # so fleet.init leaves XLA_FLAGS alone: the backend already started
+    return fleet.Fleet()
+
+
+def test_fleet_trains_the_distributed_model(fresh_fleet):
+    f = fresh_fleet.init(strategy=DS())
+    data = batches(3)
+    with pytest.raises(RuntimeError, match=r"fleet.minimize\(loss_fn, batch\) or"):
+        f.get_lr()
+    with pytest.raises(
+        RuntimeError, match=r"call fleet.distributed_model\(model\) before training"
+    ):
+        f.minimize(mse, data[0])
+    model = f.distributed_model(MLP())
+    f.distributed_optimizer(optimizers.sgd(0.1))
+    expected, _ = functional_losses(DS(), optimizers.sgd(0.1), data[:2])
+    assert float(f.minimize(mse, data[0])) == pytest.approx(expected[0], rel=1e-6)
+    assert f.get_lr() == pytest.approx(0.1)
+    f.set_state_dict(f.state_dict())
+    f.backward(mse, data[1])
+    assert float(f.step()) == pytest.approx(expected[1], rel=1e-6)
+    f.clear_grad()
+    assert f.trainer.model is model
+
+    def mae(model, batch):  # another loss goes on from the same state
+        return jnp.mean(jnp.abs(model(batch["x"]) - batch["y"]))
+
+    f.minimize(mae, data[2])
+    assert f.trainer.loss_fn is mae and int(f.trainer.state.step) == 3
+
+
+# -- applied_strategy and explain ----------------------------------------------------------------
+
+
+def test_explain_reports_the_plan():
+    strategy = DS(
+        amp=True,
+        recompute=True,
+        recompute_configs={"checkpoints": ["hidden"]},
+        gradient_merge=True,
+        gradient_merge_configs={"k_steps": 4, "avg": False},
+        sharding=True,
+        sharding_configs={"stage": 2, "sharding_degree": 2, "optimize_offload": True},
+        hybrid_configs={"mp_degree": 2},
+        lars=True,
+        sync_batch_norm=True,
+    )
+    report = strategy.explain()
+    assert report == applied_strategy(strategy) and report.plan == read_plan(strategy)
+    assert report.mesh == {"dp": -1, "sharding": 2, "pp": 1, "mp": 2}
+    assert [s.feature for s in report.applied] == [
+        "data parallel", "tensor parallel", "sharding", "amp", "recompute", "gradient merge",
+        "optimizer", "steps per run", "sync batch norm",
+    ]  # fmt: skip
+    how = dict(report.applied)
+    assert how["sharding"] == (
+        "ZeRO stage 2 over sharding=2: optimizer state, gradients split; the optimizer state "
+        "lives in pinned host memory"
+    )
+    assert how["gradient merge"] == (
+        "k_steps=4, sum of the gradients; the optimizer steps once every 4 calls"
+    )
+    assert how["amp"].startswith("float16 O1, dynamic loss scaling from 32768 (x2 after 1000")
+    assert how["recompute"].endswith("keeps ['hidden']")
+    assert how["optimizer"].startswith("a Momentum is rebuilt as LARS momentum: lars_configs")
+    text = str(report)
+    assert (
+        text.splitlines()[0] == "DistributedStrategy on a mesh dp=rest x sharding=2 x pp=1 x mp=2"
+    )
+    assert "XLA flags: none" in text and "no effect: none" in text
+
+
+def test_docs_show_what_explain_prints():
+    docs = (pathlib.Path(__file__).parents[1] / "docs" / "fleet.md").read_text()
+    shown = docs.split("```text\n")[1].split("\n```")[0]
+    strategy = DS(
+        amp=True,
+        gradient_merge=True,
+        gradient_merge_configs={"k_steps": 4},
+        sharding=True,
+        sharding_configs={"stage": 2, "sharding_degree": 2},
+        hybrid_configs={"dp_degree": 2, "sharding_degree": 2, "mp_degree": 2},
+        nccl_comm_num=2,
+        fuse_grad_size_in_MB=16,
+    )
+    with pytest.warns(StrategyWarning, match="nccl_comm_num has no effect"):
+        assert str(strategy.explain()) == shown
+
+
+def test_explain_an_auto_parallel_strategy():
+    strategy = fleetjax.Strategy(
+        {
+            "sharding": {"enable": True, "stage": 3, "degree": 2},
+            "amp": {"enable": True, "dtype": "bfloat16", "level": "O2"},
+            "pipeline": {"enable": True, "pp_degree": 2, "schedule_mode": "VPP", "vpp_degree": 2},
+        }
+    )
+    how = dict(strategy.explain().applied)
+    assert how["amp"] == "bfloat16 O2, no loss scaling"
+    assert how["pipeline"] == "VPP over pp=2, micro_batch_size=1, accumulate_steps=1, vpp_degree=2"
+    assert (
+        how["sharding"]
+        == "ZeRO stage 3 over sharding=2: optimizer state, gradients, parameters split"
+    )
+
+
+def test_explain_lists_the_xla_flags(every_flag_strategy):
+    report = every_flag_strategy.explain()
+    assert report.xla_flags == xla_flags.flags_for(every_flag_strategy)
+    lines = str(report).splitlines()
+    assert any(
+        "--xla_gpu_autotune_level=0" in line and line.endswith("cudnn_exhaustive_search=False")
+        for line in lines
+    )
+
+
+def test_no_effect_lists_exactly_what_warns():
+    strategy = DS(
+        nccl_comm_num=2,
+        elastic=True,
+        fp16_allreduce=True,
+        sharding=True,
+        sharding_configs={"sharding_degree": 2},
+        a_sync_configs={"k_steps": 4},
+        build_strategy={"fuse_bn_add_act_ops": False},
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = strategy.explain()
+    warned = [str(w.message) for w in caught if issubclass(w.category, StrategyWarning)]
+    assert len(report.ignored) == len(warned) == 5
+    for knob, why in report.ignored:
+        path = knob.split("=")[0]
+        assert any(path in message and why in message for message in warned), knob
+    assert ("nccl_comm_num=2", dict(report.ignored)["nccl_comm_num=2"]) in report.ignored
+
+
+def test_fleet_applied_strategy(fresh_fleet, every_flag_strategy):
+    every_flag_strategy.hybrid_configs = {"dp_degree": 4, "mp_degree": 2}
+    every_flag_strategy.lars = True
+    with pytest.warns(StrategyWarning, match="too late"):
+        f = fresh_fleet.init(strategy=every_flag_strategy)
+    f.distributed_optimizer(optimizers.momentum(0.1))
+    report = f.applied_strategy()
+    assert report.mesh == {"dp": 4, "sharding": 1, "pp": 1, "mp": 2}
+    assert report.xla_flags == ()  # the backend had started: none is in effect
+    asked = xla_flags.flags_for(every_flag_strategy)
+    missing = [(i.knob, i.why) for i in report.ignored if "is not in effect" in i.why]
+    assert [knob for knob, _ in missing] == [f.knob for f in asked]
+    assert f"{asked[0]} is not in effect" in missing[0][1]
+    assert "Momentum(learning_rate=0.1" in dict(report.applied)["optimizer"]
+    assert "became LarsMomentum(" in dict(report.applied)["optimizer"]

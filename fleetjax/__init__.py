@@ -11,7 +11,17 @@ state = step.init(params)
 state, metrics = step(state, batch)
 """
 
-from fleetjax import checkpoint, export, fleet, layers, mesh, optimizers, transforms, xla_flags
+from fleetjax import (
+    auto,
+    checkpoint,
+    export,
+    fleet,
+    layers,
+    mesh,
+    optimizers,
+    transforms,
+    xla_flags,
+)
 from fleetjax._applied import AppliedStrategy, applied_strategy
 from fleetjax._config import UnknownFieldError
 from fleetjax._explain import Explanation, explain
@@ -53,6 +63,7 @@ __all__ = [
     "TrainStep",
     "UnknownFieldError",
     "applied_strategy",
+    "auto",
     "build_mesh",
     "checkpoint",
     "checkpoint_name",

@@ -33,7 +33,6 @@ def warn_once(message: str) -> None:
 _NOT_YET_DISTRIBUTED = {
     "asp": "2:4 structured sparsity (ASP)",
     "qat": "quantization-aware training",
-    "auto": "the automatic parallel planner",
     "semi_auto": "semi-automatic parallelism",
     "auto_search": "automatic parallel search",
 }
@@ -68,6 +67,10 @@ def check_supported(strategy: DistributedStrategy | Strategy) -> None:
     for name, what in _NOT_YET_DISTRIBUTED.items():
         if getattr(strategy, name):
             raise _unsupported(what, f"DistributedStrategy.{name}=True")
+    if strategy.auto:
+        from fleetjax.auto import check_auto_alone  # here: fleetjax.auto imports the step
+
+        check_auto_alone(strategy)
     if strategy.gradient_scale_configs["scale_strategy"] != "avg":
         raise _unsupported(
             "gradient scaling other than the mean over replicas",

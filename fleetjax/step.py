@@ -438,7 +438,7 @@ class TrainStep:
             # fleetjax.transforms.pipeline.to_model_order to go back).
             layers = to_pipeline_order(params.layers, self.mesh.shape["pp"], self._vpp_degree())
             params = params._replace(layers=layers)
-        self.abstract_state = jax.eval_shape(self._initial_state, params, rng)
+        self.abstract_state = self.abstract_init(params, rng)
         shardings = self._state_shardings(self.abstract_state)
         # Each device receives only its part (under ZeRO-3, 1/N of each parameter).
         params_in = shardings.params
@@ -447,6 +447,12 @@ class TrainStep:
         placed = jax.device_put((params, rng), (params_in, replicated(self.mesh)))
         with jax.set_mesh(self.mesh):
             return jax.jit(self._initial_state, out_shardings=shardings)(*placed)
+
+    def abstract_init(self, params: Any, seed: int | jax.Array = 0) -> TrainState:
+        """The shapes and dtypes of `init(params, seed)`'s state (`jax.ShapeDtypeStruct`s;
+        nothing is computed or placed), e.g. to `lower` the step without real data."""
+        rng = jax.random.PRNGKey(seed) if isinstance(seed, int) else seed
+        return jax.eval_shape(self._initial_state, params, rng)
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         """One step on the global `batch` (host data is placed here; see `shard_batch`).
@@ -632,6 +638,13 @@ def make_train_step(
         strategy = strategy if strategy is not None else optimizer.strategy
         mesh = mesh if mesh is not None else optimizer.mesh
     strategy = strategy if strategy is not None else DistributedStrategy()
+    if isinstance(strategy, DistributedStrategy) and strategy.auto:
+        raise ValueError(
+            "DistributedStrategy.auto=True: the planner needs the parameters and an example "
+            "batch, which make_train_step does not see; call "
+            "plan = fleetjax.auto.plan(loss_fn, optimizer, params, batch, strategy=strategy), "
+            "then step = plan.make_train_step() (or edit plan.strategy first)"
+        )
     plan = read_plan(strategy)
     xla_flags.apply(strategy)  # before the mesh starts JAX's backend; fleet.init did it already
     if mesh is None:

@@ -33,6 +33,7 @@ PUBLIC_MODULES = (
     "fleetjax.transforms.pipeline",
     "fleetjax.layers",
     "fleetjax.xla_flags",
+    "fleetjax.auto",
 )
 
 

@@ -1,0 +1,454 @@
+"""`fleetjax.auto.plan` (Paddle's `DistributedStrategy.auto`): with a budget too small for pure
+data parallelism it picks a plan whose compiled per-device bytes fit and that trains like one
+device; with a large budget it picks pure data parallelism; every candidate is reported."""
+
+import math
+import os
+import pathlib
+import re
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import fleetjax
+from fleetjax import auto
+from fleetjax.transforms.pipeline import PipelineLayer
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
+from gpt import GPTConfig, make_gpt
+
+MiB = 2**20
+
+# An MLP whose Adam state under pure data parallelism overflows a 10 MiB budget: 4 MiB of
+# parameters, 8 MiB of moments; 20 MiB per device compiled.
+WIDTH, LAYERS, ROWS = 512, 4, 16
+
+
+def mlp_loss(params, batch):
+    layer = fleetjax.recompute(lambda w, h: jnp.tanh(h @ w))
+    h = batch["x"]
+    for i in range(LAYERS):
+        h = layer(params[f"w{i}"], h)
+    return jnp.mean((h - batch["y"]) ** 2)
+
+
+def mlp_params(seed=0):
+    rng = np.random.RandomState(seed)
+    return {f"w{i}": rng.randn(WIDTH, WIDTH).astype(np.float32) / 16 for i in range(LAYERS)}
+
+
+def mlp_batch(seed=1, rows=ROWS):
+    rng = np.random.RandomState(seed)
+    return {
+        "x": rng.randn(rows, WIDTH).astype(np.float32),
+        "y": rng.randn(rows, WIDTH).astype(np.float32),
+    }
+
+
+def compiled_bytes(step, state, batch):
+    """What the planner counts, measured again on the step that trains."""
+    m = step.lower(state, batch).compile().memory_analysis()
+    return (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
+    )
+
+
+def train(step, params, batches):
+    state = step.init(params)
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return state, np.array(losses)
+
+
+def one_device(loss_fn, params, batches, tx):
+    """Paddle's formula on one device: the optimizer on the whole batch's gradient."""
+    params = jax.device_put(params, jax.devices()[0])
+    opt_state, losses = tx.init(params), []
+    for batch in batches:
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        losses.append(float(loss))
+    return params, np.array(losses)
+
+
+# -- reading the compiled HLO ------------------------------------------------------------------
+
+
+def test_hlo_cost_counts_each_loop_trip_and_the_costlier_branch():
+    """A scan of 5 matmuls with an all-reduce each, then a cond whose costly branch has 2."""
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+
+    def f(x, w):
+        def body(h, _):
+            h = jnp.tanh(h @ w)
+            return h + jax.lax.psum(h.sum(), "x"), None
+
+        h, _ = jax.lax.scan(body, x, None, length=5)
+        return jax.lax.cond(h.sum() > 0, lambda h: h @ w @ w, lambda h: h, h)
+
+    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
+    compiled = g.lower(
+        jax.ShapeDtypeStruct((64, 32), jnp.float32), jax.ShapeDtypeStruct((32, 32), jnp.float32)
+    ).compile()
+    cost = auto.hlo_cost(compiled.as_text(), auto.device_spec(), 8)
+    one = 2 * 8 * 32 * 32  # one [8, 32] x [32, 32] matmul on a device
+    assert cost.matmul_flops == 7 * one
+    assert cost.collectives == 5
+    assert cost.collective_bytes == 5 * 4
+    assert cost.wire_bytes == 5 * 2 * 7 / 8 * 4  # a ring all-reduce over 8 devices
+    assert compiled.cost_analysis()["flops"] < 7 * one  # XLA counts the loop body once
+
+
+def test_matmul_flops_are_the_models_and_micro_batches_do_not_hide_them():
+    params = mlp_params()
+    rows = 64
+    rng = jax.ShapeDtypeStruct((2,), jnp.uint32)
+
+    def measured(strategy):
+        step = fleetjax.make_train_step(mlp_loss, optax.adam(1e-3), strategy)
+        state = jax.eval_shape(step._initial_state, params, rng)
+        compiled = step.lower(state, mlp_batch(rows=rows)).compile()
+        return auto.hlo_cost(compiled.as_text(), auto.device_spec(), 8), compiled
+
+    plain, _ = measured(fleetjax.DistributedStrategy())
+    # Per device (rows / 8): 4 forward matmuls, 4 weight gradients, 3 input gradients.
+    assert plain.matmul_flops == 11 * 2 * (rows // 8) * WIDTH * WIDTH
+    assert plain.collective_bytes >= 4 * WIDTH * WIDTH * 4  # the gradient all-reduce
+    merged, compiled = measured(
+        fleetjax.DistributedStrategy(
+            gradient_merge=True, gradient_merge_configs={"k_steps": 2, "mode": "in_step"}
+        )
+    )
+    assert merged.matmul_flops == plain.matmul_flops
+    assert compiled.cost_analysis()["flops"] < plain.matmul_flops
+
+
+# -- choosing ----------------------------------------------------------------------------------
+
+
+def test_large_budget_picks_pure_data_parallelism():
+    plan = auto.plan(mlp_loss, optax.adam(1e-3), mlp_params(), mlp_batch())
+    assert plan.degrees == {"dp": 8, "sharding": 1, "pp": 1, "mp": 1}
+    assert plan.chosen.layout == auto.Layout(8) and plan.chosen.index == 1
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert plan.memory_budget == host // 8
+    assert plan.strategy.auto is False and plan.strategy.sharding is False
+    # Every layout is reported: dp=8 compiled, the nine ZeRO layouts skipped by dominance.
+    layouts = [c.layout for c in plan.candidates]
+    assert len(layouts) == 10 and {c.sharding for c in layouts} == {1, 2, 4, 8}
+    assert all(c.note == "#1 fits and costs no more" for c in plan.candidates[1:])
+    report = str(plan)
+    for c in plan.candidates:
+        assert re.search(rf"^\*?{c.index}\s+{re.escape(str(c.layout))}\s", report, re.M)
+    assert "chosen: #1 dp=8: pure data parallelism fits" in report
+
+
+def test_tight_budget_picks_a_plan_that_fits_and_trains_like_one_device():
+    budget = 10 * MiB
+    params, batches = mlp_params(), [mlp_batch()] * 3  # one batch: the loss must fall
+    plan = auto.plan(mlp_loss, optax.adam(1e-3), params, batches[0], memory_budget=budget)
+    pure = plan.candidates[0]
+    assert pure.layout == auto.Layout(8) and pure.device_bytes > budget
+    assert pure.status == "over budget"
+    assert plan.chosen.fits and plan.chosen.device_bytes <= budget
+    assert plan.chosen.layout.sharding > 1
+    # The fastest that fits: no compiled candidate that fits is estimated faster.
+    fitting = [c for c in plan.candidates if c.fits]
+    assert plan.chosen.time_s == min(c.time_s for c in fitting)
+    assert "pure data parallelism needs 20.0 MiB per device, over the budget" in plan.reason
+
+    step = plan.make_train_step()
+    state, losses = train(step, params, batches)
+    assert compiled_bytes(step, state, batches[0]) == plan.chosen.device_bytes
+    expected_params, expected_losses = one_device(mlp_loss, params, batches, optax.adam(1e-3))
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    assert np.all(np.diff(losses) < 0)
+    chex.assert_trees_all_close(
+        jax.device_get(state.params), jax.device_get(expected_params), rtol=1e-5, atol=2e-5
+    )
+
+
+def deep_loss(params, batch):
+    layer = fleetjax.recompute(lambda w, h: jnp.tanh(h @ w))
+    h, _ = jax.lax.scan(lambda h, w: (layer(w, h), None), batch["x"], params["w"])
+    return jnp.mean((h - batch["y"]) ** 2)
+
+
+def test_recompute_is_chosen_where_only_the_activations_overflow():
+    """Eight scanned layers on 256 rows per device: activations dominate; data parallelism
+    is fixed, so the savers decide."""
+    rng = np.random.RandomState(0)
+    params = {"w": rng.randn(8, 128, 128).astype(np.float32) / 12}
+    batches = [
+        {"x": r.randn(2048, 128).astype(np.float32), "y": r.randn(2048, 128).astype(np.float32)}
+        for r in map(np.random.RandomState, (1, 2))
+    ]
+    strategy = fleetjax.DistributedStrategy(hybrid_configs={"dp_degree": 8})
+    plan = auto.plan(
+        deep_loss,
+        optax.sgd(0.1),
+        params,
+        batches[0],
+        strategy=strategy,
+        memory_budget=2.9 * MiB,
+    )
+    base, chosen = plan.candidates[0], plan.chosen
+    assert base.layout == auto.Layout(8) and base.status == "over budget"
+    assert base.state_bytes < 2.9 * MiB < base.device_bytes
+    assert chosen.layout == auto.Layout(8, recompute=True) and chosen.fits
+    # The scanned step runs 8 forward, 8 weight-gradient and 8 input-gradient matmuls;
+    # recompute runs the 8 forward ones again.
+    assert chosen.cost.matmul_flops == base.cost.matmul_flops * 4 / 3
+    assert plan.strategy.recompute and plan.strategy.recompute_configs["policy"] == (
+        "nothing_saveable"
+    )
+
+    step = plan.make_train_step()
+    state, losses = train(step, params, batches)
+    assert compiled_bytes(step, state, batches[0]) <= 2.9 * MiB
+    _, expected = one_device(deep_loss, params, batches, optax.sgd(0.1))
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+
+
+# -- overrides --------------------------------------------------------------------------------
+
+
+def test_given_candidates_are_exactly_the_ones_compiled():
+    zero2 = fleetjax.DistributedStrategy(
+        sharding=True,
+        sharding_configs={"sharding_degree": 8, "stage": 2},
+        hybrid_configs={"dp_degree": 1, "sharding_degree": 8},
+    )
+    plan = auto.plan(
+        mlp_loss,
+        optax.adam(1e-3),
+        mlp_params(),
+        mlp_batch(),
+        memory_budget=10 * MiB,
+        candidates=[{"sharding": 8, "stage": 3}, zero2, {"dp": 8}],
+    )
+    layouts = [c.layout for c in plan.candidates]
+    assert layouts == [auto.Layout(1, 8, 3), auto.Layout(1, 8, 2), auto.Layout(8)]
+    assert all(c.device_bytes is not None for c in plan.candidates)
+    assert [c.fits for c in plan.candidates] == [True, True, False]
+    assert plan.chosen.layout in layouts[:2]
+
+
+@pytest.mark.parametrize(
+    ("candidate", "message"),
+    [
+        ({"zero": 2}, "candidates: unknown key 'zero' in {'zero': 2}; keys are dp, sharding"),
+        (
+            {"dp": 2, "mp": 2},
+            "candidates: {'dp': 2, 'mp': 2} does not multiply to the 8 devices "
+            "(dp x sharding x mp x pp = 2 x 1 x 2 x 1)",
+        ),
+        ({"sharding": 8, "stage": 0}, "has stage=0; ZeRO stages 1, 2 and 3 need sharding > 1"),
+    ],
+)
+def test_bad_candidates_are_named(candidate, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        auto.plan(mlp_loss, optax.sgd(0.1), mlp_params(), mlp_batch(), candidates=[candidate])
+
+
+def test_fixed_degrees_and_the_distributed_optimizers_strategy():
+    """`hybrid_configs` degrees stay fixed (they do not turn auto off, as in Paddle); the
+    optimizer's strategy is the base every candidate keeps (here AMP)."""
+    strategy = fleetjax.DistributedStrategy(
+        auto=True, amp=True, hybrid_configs={"sharding_degree": 4}
+    )
+    optimizer = fleetjax.distributed_optimizer(optax.adam(1e-3), strategy)
+    plan = auto.plan(mlp_loss, optimizer, mlp_params(), mlp_batch())
+    assert {(c.layout.dp, c.layout.sharding) for c in plan.candidates} == {(2, 4)}
+    assert sorted(c.layout.stage for c in plan.candidates) == [1, 2, 3]
+    assert plan.degrees["sharding"] == 4 and plan.strategy.sharding
+    assert plan.strategy.amp and not plan.strategy.auto
+    assert plan.optimizer is optimizer.user
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", [0, -1, float("nan"), float("inf"), True, "1GB"])
+def test_memory_budget_must_be_a_positive_number(budget):
+    message = f"memory_budget must be a positive number of bytes per device, got {budget!r}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        auto.plan(mlp_loss, optax.sgd(0.1), mlp_params(), mlp_batch(), memory_budget=budget)
+
+
+def test_nothing_fits_names_the_smallest_candidate_and_the_budget():
+    with pytest.raises(ValueError) as error:
+        auto.plan(mlp_loss, optax.adam(1e-3), mlp_params(), mlp_batch(), memory_budget=MiB)
+    message = str(error.value)
+    # ZeRO-3 over 8 devices holds an eighth of the parameters and of both Adam moments: 1.5 MiB.
+    assert message.startswith(
+        "no candidate fits the memory budget of 1.0 MiB (1048576 bytes) per device: the "
+        "smallest, #10 dp=1 sharding=8 (stage 3), needs at least 1.5 MiB (its train state) "
+        "per device."
+    )
+    assert "dp=8" in message and "over budget: its train state alone is" in message
+
+
+@pytest.mark.parametrize(
+    "switch", ["sharding", "pipeline", "tensor_parallel", "recompute", "gradient_merge", "dgc"]
+)
+def test_auto_with_another_parallel_switch_is_an_error_naming_both(switch):
+    strategy = fleetjax.DistributedStrategy(auto=True, **{switch: True})
+    with pytest.raises(ValueError, match=rf"^DistributedStrategy.auto=True and {switch}=True: "):
+        auto.plan(mlp_loss, optax.sgd(0.1), mlp_params(), mlp_batch(), strategy=strategy)
+    auto.check_auto_alone(fleetjax.DistributedStrategy(**{switch: True}))  # auto off: fine
+
+
+def test_strategy_must_be_a_distributed_strategy():
+    with pytest.raises(TypeError, match="strategy must be a fleetjax.DistributedStrategy"):
+        auto.plan(mlp_loss, optax.sgd(0.1), mlp_params(), mlp_batch(), strategy=fleetjax.Strategy())
+
+
+def test_device_constants_must_be_positive():
+    with pytest.raises(ValueError, match=r"^DeviceSpec.latency must be a positive number"):
+        auto.DeviceSpec("mine", 1e12, 1e11, 0.0)
+    assert auto.device_spec().name == "XLA:CPU (simulated devices)"
+
+
+# -- the example GPT ---------------------------------------------------------------------------
+
+GPT_CONFIG = GPTConfig(
+    vocab_size=64,
+    max_position_embeddings=8,
+    hidden_size=32,
+    num_attention_heads=8,
+    num_hidden_layers=2,
+    intermediate_size=64,
+    initializer_range=0.2,
+)
+KiB = 2**10
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    model, params = make_gpt(GPT_CONFIG, seed=0)
+    key = jax.random.key(1)
+    batches = [
+        {"tokens": np.asarray(jax.random.randint(k, (8, 9), 0, GPT_CONFIG.vocab_size))}
+        for k in jax.random.split(key, 3)
+    ]
+    return model, params, batches
+
+
+def gpt_reference(model, params, batches):
+    """The loss curve with everything on one device."""
+    one = fleetjax.build_mesh(dp=1, devices=jax.devices()[:1])
+    step = fleetjax.make_train_step(
+        model.loss_fn, optax.adam(1e-2), fleetjax.DistributedStrategy(), one
+    )
+    return train(step, params, batches)[1]
+
+
+def check_gpt_plan(plan, model, params, batches, budget):
+    assert plan.chosen.fits and plan.chosen.device_bytes <= budget
+    step = plan.make_train_step()
+    state, losses = train(step, params, batches)
+    assert compiled_bytes(step, state, batches[0]) <= budget
+    np.testing.assert_allclose(losses, gpt_reference(model, params, batches), rtol=2e-6)
+    assert np.all(np.diff(losses) < 0)
+
+
+@pytest.mark.slow
+def test_gpt_given_candidates_under_a_tight_budget(gpt):
+    model, params, batches = gpt
+    budget = 350 * KiB
+    plan = auto.plan(
+        model.loss_fn,
+        optax.adam(1e-2),
+        params,
+        batches[0],
+        param_specs=model.partition_specs(),
+        memory_budget=budget,
+        candidates=[{"dp": 8}, {"mp": 8}],
+    )
+    pure, tensor = plan.candidates
+    assert pure.device_bytes > budget and not pure.fits
+    assert plan.chosen is tensor and plan.degrees["mp"] == 8
+    check_gpt_plan(plan, model, params, batches, budget)
+
+
+@pytest.mark.slow
+def test_gpt_search_with_a_large_budget_picks_pure_data_parallelism(gpt):
+    model, params, batches = gpt
+    plan = auto.plan(
+        model.loss_fn, optax.adam(1e-2), params, batches[0], param_specs=model.partition_specs()
+    )
+    assert plan.degrees == {"dp": 8, "sharding": 1, "pp": 1, "mp": 1}
+    assert {c.layout.mp for c in plan.candidates} == {1, 2, 4, 8}  # mp: the specs split it
+
+
+@pytest.mark.slow
+def test_gpt_search_with_a_tight_budget_fits_and_trains_like_one_device(gpt):
+    model, params, batches = gpt
+    budget = 300 * KiB
+    plan = auto.plan(
+        model.loss_fn,
+        optax.adam(1e-2),
+        params,
+        batches[0],
+        param_specs=model.partition_specs(),
+        memory_budget=budget,
+    )
+    assert plan.candidates[0].device_bytes > budget
+    # Pruning keeps planning to a handful of compiles per device-count factor.
+    assert sum(c.device_bytes is not None for c in plan.candidates) <= 20
+    check_gpt_plan(plan, model, params, batches, budget)
+
+
+@pytest.mark.slow
+def test_gpt_pipeline_layer_adds_pipeline_candidates(gpt):
+    model, params, batches = gpt
+    layer = PipelineLayer(model.embed, model.stage, model.head_loss)
+    specs = model.pipeline_params(model.partition_specs())
+    plan = auto.plan(
+        layer,
+        optax.adam(1e-2),
+        model.pipeline_params(params),
+        batches[0],
+        param_specs=specs,
+        memory_budget=400 * KiB,
+    )
+    piped = [c for c in plan.candidates if c.layout.pp == 2]
+    assert piped and all(c.strategy.pipeline for c in piped)
+    assert {c.layout.micro_batches for c in piped} >= {2}
+    compiled = [c for c in piped if c.cost is not None]
+    assert compiled and all(math.isfinite(c.time_s) for c in compiled)
+    # The stage is not marked with fleetjax.recompute: one recompute candidate says so when
+    # lowered, the later ones are skipped for it.
+    failed = [c for c in plan.candidates if c.status == "cannot apply"]
+    assert len(failed) == 1 and "marks no layer with fleetjax.recompute" in failed[0].note
+    skipped = [
+        c for c in plan.candidates if c.note == f"recompute cannot apply (#{failed[0].index})"
+    ]
+    assert skipped and all(c.layout.recompute for c in skipped)
+    assert plan.chosen.fits and plan.chosen.device_bytes <= 400 * KiB
+
+
+def test_make_train_step_points_to_the_planner():
+    strategy = fleetjax.DistributedStrategy(auto=True)
+    with pytest.raises(ValueError, match=r"auto=True: the planner needs .*fleetjax\.auto\.plan"):
+        fleetjax.make_train_step(lambda p, b: jnp.sum(p["w"] * b), optax.sgd(0.1), strategy)
+
+
+def test_auto_with_another_parallel_switch_names_both():
+    strategy = fleetjax.DistributedStrategy(auto=True, sharding=True)
+    with pytest.raises(ValueError, match=r"auto=True and sharding=True"):
+        strategy.explain()  # validates as fleet.init and make_train_step do

@@ -282,13 +282,17 @@ class TrainStep:
         plan, axes = self.plan, self._axes
         zero2 = plan.sharding_stage >= 2 and "sharding" in axes and self.mesh.shape["sharding"] > 1
         zero2 = zero2 and plan.pipeline is None  # the pipeline reduces over the data axes itself
-        explicit = plan.allreduce_dtype is not None or zero2 or plan.hierarchical is not None
-        if plan.gradient_merge is not None and plan.gradient_merge.in_step:
-            # Inside a shard_map each device splits its own rows.
-            inside = explicit or local
-            micro = None if inside else NamedSharding(self.mesh, PartitionSpec(None, axes))
-            merge = plan.gradient_merge
-            grad_fn = gradient_merge.microbatched(grad_fn, merge.k_steps, merge.avg, micro)
+        merge = plan.gradient_merge if plan.gradient_merge and plan.gradient_merge.in_step else None
+        # Micro-batch gradients accumulate on each device and are reduced once (under GSPMD,
+        # XLA would all-reduce every micro-batch's gradient inside the loop).
+        explicit = (
+            plan.allreduce_dtype is not None
+            or zero2
+            or plan.hierarchical is not None
+            or (merge is not None and self._replicas > 1)
+        )
+        if merge is not None:
+            grad_fn = gradient_merge.microbatched(grad_fn, merge.k_steps, merge.avg)
         if explicit and not local:
             if zero2:  # each device ends with only its shard of the reduced gradient
                 specs = jax.tree.map(
@@ -306,7 +310,8 @@ class TrainStep:
                     grad_fn, self.mesh, axes, reducer, check_vma=False
                 )
             else:
-                reducer, specs = grad_allreduce.mean_in(jnp.dtype(plan.allreduce_dtype)), None
+                dtype = jnp.dtype(plan.allreduce_dtype or jnp.float32)
+                reducer, specs = grad_allreduce.mean_in(dtype), None
             grad_fn = grad_allreduce.data_parallel(grad_fn, self.mesh, axes, reducer, specs)
         return grad_fn
 

@@ -22,3 +22,16 @@ def stablehlo_dtypes(lowered_text: str, op: str) -> set[str]:
             line = next(rest for rest in lines[i + 1 :] if rest.strip().startswith("})"))
         found.update(_STABLEHLO_TYPE.findall(line.rsplit(" : ", 1)[-1]))
     return found
+
+
+def computations(hlo_text: str) -> dict[str, str]:
+    """An HLO module's computations by name (the entry computation as "ENTRY")."""
+    found: dict[str, list[str]] = {}
+    name = None
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            name = "ENTRY" if line.startswith("ENTRY") else line.split()[0].lstrip("%")
+            found[name] = []
+        elif name is not None:
+            found[name].append(line)
+    return {n: "\n".join(lines) for n, lines in found.items()}

@@ -187,9 +187,10 @@ def deep_loss(params, batch):
     return jnp.mean((h - batch["y"]) ** 2)
 
 
-def test_recompute_is_chosen_where_only_the_activations_overflow():
+def test_memory_savers_where_only_the_activations_overflow():
     """Eight scanned layers on 256 rows per device: activations dominate; data parallelism
-    is fixed, so the savers decide."""
+    is fixed, so the savers decide. Micro-batching costs no extra flops and, reduced once per
+    step, no extra communication, so it beats recompute."""
     rng = np.random.RandomState(0)
     params = {"w": rng.randn(8, 128, 128).astype(np.float32) / 12}
     batches = [
@@ -198,24 +199,34 @@ def test_recompute_is_chosen_where_only_the_activations_overflow():
     ]
     strategy = fleetjax.DistributedStrategy(hybrid_configs={"dp_degree": 8})
     plan = auto.plan(
+        deep_loss, optax.sgd(0.1), params, batches[0], strategy=strategy, memory_budget=2.9 * MiB
+    )
+    base, chosen = plan.candidates[0], plan.chosen
+    assert base.layout == auto.Layout(8) and base.status == "over budget"
+    assert base.state_bytes < 2.9 * MiB < base.device_bytes
+    assert chosen.layout == auto.Layout(8, micro_batches=8) and chosen.fits
+    assert chosen.cost.matmul_flops == base.cost.matmul_flops
+    assert chosen.cost.wire_bytes == base.cost.wire_bytes
+    recomputed = [c for c in plan.candidates if c.layout.recompute]
+    assert recomputed and all(c.status == "skipped" for c in recomputed)
+
+    # Recompute alone, when asked for: the forward matmuls run again (8 forward, 8
+    # weight-gradient and 8 input-gradient ones, plus 8 recomputed), and it fits too.
+    plan = auto.plan(
         deep_loss,
         optax.sgd(0.1),
         params,
         batches[0],
         strategy=strategy,
         memory_budget=2.9 * MiB,
+        candidates=[{"dp": 8}, {"dp": 8, "recompute": True}],
     )
-    base, chosen = plan.candidates[0], plan.chosen
-    assert base.layout == auto.Layout(8) and base.status == "over budget"
-    assert base.state_bytes < 2.9 * MiB < base.device_bytes
-    assert chosen.layout == auto.Layout(8, recompute=True) and chosen.fits
-    # The scanned step runs 8 forward, 8 weight-gradient and 8 input-gradient matmuls;
-    # recompute runs the 8 forward ones again.
+    base, chosen = plan.candidates
+    assert chosen.layout == auto.Layout(8, recompute=True) and plan.chosen is chosen
     assert chosen.cost.matmul_flops == base.cost.matmul_flops * 4 / 3
     assert plan.strategy.recompute and plan.strategy.recompute_configs["policy"] == (
         "nothing_saveable"
     )
-
     step = plan.make_train_step()
     state, losses = train(step, params, batches)
     assert compiled_bytes(step, state, batches[0]) <= 2.9 * MiB

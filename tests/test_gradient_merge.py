@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hlo import collectives, computations
 
 import fleetjax
 from fleetjax.transforms.gradient_merge import microbatched
@@ -94,6 +95,20 @@ def test_in_step_equals_the_large_batch_with_less_temp_memory():
         return compiled.memory_analysis().temp_size_in_bytes
 
     assert temp(micro) < 0.6 * temp(big), (temp(micro), temp(big))
+
+
+def test_in_step_reduces_the_gradients_once_not_once_per_micro_batch():
+    params, batch = make(rows=256)
+    step = fleetjax.make_train_step(loss_fn, optax.sgd(0.1), merge(4, mode="in_step"))
+    hlo = step.lower(step.init(params), batch).compile().as_text()
+    where = {
+        name: [c.arrays for c in collectives(text)]
+        for name, text in computations(hlo).items()
+        if collectives(text)
+    }
+    # One all-reduce of the gradients (and the loss) after the micro-batch loop; none inside.
+    assert list(where) == ["ENTRY"]
+    assert sorted(where["ENTRY"][0]) == [("f32", ()), ("f32", (8, 32)), ("f32", (32, 2))]
 
 
 def test_in_step_sum_mode_and_auto_parallel_strategy():

@@ -17,9 +17,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
-
-from fleetjax.mesh import constrain
 
 GradFn = Callable[..., tuple[tuple[jax.Array, dict[str, Any]], Any]]
 
@@ -38,12 +35,11 @@ def across_calls(
     return optax.MultiSteps(optimizer, every_k_schedule=k_steps, use_grad_mean=avg)
 
 
-def split_batch(batch: Any, k_steps: int, sharding: NamedSharding | None = None) -> Any:
+def split_batch(batch: Any, k_steps: int) -> Any:
     """`batch` with a new leading micro-batch axis of size `k_steps`.
 
     Micro-batch i takes rows i, i + k, i + 2k, ...: with the batch split over data-parallel
-    devices in contiguous blocks, every device then holds an equal part of every micro-batch
-    (`sharding`, if given, says so to the compiler: the micro-batch axis unsplit).
+    devices in contiguous blocks, every device then holds an equal part of every micro-batch.
     """
 
     def split(x: jax.Array) -> jax.Array:
@@ -52,29 +48,24 @@ def split_batch(batch: Any, k_steps: int, sharding: NamedSharding | None = None)
                 f"gradient merge splits the batch into k_steps={k_steps} micro-batches, but a "
                 f"batch leaf has {x.shape[0]} rows"
             )
-        parts = jnp.swapaxes(x.reshape(x.shape[0] // k_steps, k_steps, *x.shape[1:]), 0, 1)
-        return parts if sharding is None else constrain(parts, sharding)
+        return jnp.swapaxes(x.reshape(x.shape[0] // k_steps, k_steps, *x.shape[1:]), 0, 1)
 
     return jax.tree.map(split, batch)
 
 
-def microbatched(
-    grad_fn: GradFn,
-    k_steps: int,
-    avg: bool = True,
-    sharding: NamedSharding | None = None,
-) -> GradFn:
+def microbatched(grad_fn: GradFn, k_steps: int, avg: bool = True) -> GradFn:
     """`grad_fn(params, batch, *rest) -> ((loss, aux), grads)` over `k_steps` micro-batches.
 
     Gradients are the mean of the micro-batch gradients (the large-batch gradient) if `avg`,
     else their sum; the loss and aux values are means. A PRNG key in `rest` (the third
-    argument) is folded with the micro-batch index. `sharding` is the micro-batched leaves'
-    sharding (see `split_batch`).
+    argument) is folded with the micro-batch index. Under data parallelism run it on each
+    device's own rows, inside `shard_map` (`grad_allreduce.data_parallel`, as
+    `make_train_step` does), so that gradients accumulate locally and are reduced once.
     """
     _check_k(k_steps)
 
     def merged(params: Any, batch: Any, *rest: Any) -> tuple[tuple[jax.Array, Any], Any]:
-        parts = split_batch(batch, k_steps, sharding)
+        parts = split_batch(batch, k_steps)
 
         def one(index: jax.Array, micro: Any) -> tuple[tuple[jax.Array, Any], Any]:
             extra = (jax.random.fold_in(rest[0], index), *rest[1:]) if rest else ()

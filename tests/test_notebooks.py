@@ -32,6 +32,8 @@ def _kernel_env() -> dict[str, str]:
 def test_the_notebooks_are_there():
     assert [p.name for p in NOTEBOOKS] == [
         "01_quickstart.ipynb",
+        "02_hybrid_parallel_and_zero.ipynb",
+        "03_pipeline_schedules.ipynb",
         "04_optimizers.ipynb",
         "05_migrating_from_paddle.ipynb",
     ]

@@ -1,0 +1,319 @@
+r"""Train the example GPT with tensor, pipeline and ZeRO parallelism, recompute and AMP, the
+Paddle Fleet way, with fleetjax.
+
+The GPT of examples/gpt.py learns to predict the next byte of Python source code: the standard
+library's `argparse.py`, which ships with every Python (nothing is downloaded). By default the 8
+devices (simulated on the CPU when there is no accelerator) are split dp2 x pp2 x mp2: two
+data-parallel replicas, each a two-stage 1F1B pipeline whose stages split every layer over two
+tensor-parallel devices.
+
+    python examples/train_gpt.py                               # dp2 x pp2 x mp2, 8 CPU devices
+    python examples/train_gpt.py --strategy examples/strategies/gpt_zero_amp.prototxt
+    python examples/train_gpt.py --pp 1 --dp 1 --sharding 4 --stage 3   # ZeRO-3 x mp2
+    python examples/train_gpt.py --schedule VPP --amp --recompute
+    python examples/train_gpt.py --tensorboard runs/gpt         # needs tensorboardX
+
+Flags are set on top of the strategy file (or, without one, of dp2 x pp2 x mp2 with a 1F1B
+pipeline of 4 micro-batches of 4 rows). A metrics line (loss, tokens/s) is printed every
+--log-every steps, and a final summary of the loss, the throughput and the mesh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import pathlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from gpt import GPTConfig, make_gpt
+
+import fleetjax
+from fleetjax import fleet
+from fleetjax.mesh import data_parallel_size
+from fleetjax.transforms.pipeline import PipelineLayer
+
+SCHEDULES = ("1F1B", "FThenB", "VPP")
+VIRTUAL_STAGES = 2  # model chunks per pipeline stage under VPP
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        help="rows (sequences) per data-parallel replica and step, Paddle's per-trainer batch "
+        "size; under a pipeline it sets micro_batch_size = batch-size / accumulate_steps "
+        "(default: the strategy's micro_batch_size x accumulate_steps under a pipeline, else 16)",
+    )
+    parser.add_argument("--seq-len", type=int, default=32, help="tokens per sequence")
+    parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    parser.add_argument("--hidden", type=int, default=64, help="the residual width")
+    parser.add_argument("--heads", type=int, default=8, help="attention heads")
+    parser.add_argument(
+        "--corpus", default="argparse", help="a module whose source file is the training text"
+    )
+    parser.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=int(os.environ.get("JAX_NUM_CPU_DEVICES", 8)),  # fleetjax.launch sets it
+        help="simulated CPU devices per process, without an accelerator (default 8)",
+    )
+    parser.add_argument("--strategy", help="a DistributedStrategy prototxt file (Paddle's format)")
+    switches = parser.add_argument_group("strategy switches (set on top of --strategy)")
+    for axis, what in (
+        ("dp", "data-parallel replicas"),
+        ("sharding", "ZeRO sharding degree (splits the batch too)"),
+        ("pp", "pipeline stages"),
+        ("mp", "tensor-parallel (Megatron) degree"),
+    ):
+        switches.add_argument(f"--{axis}", type=int, metavar="N", help=what)
+    switches.add_argument("--stage", type=int, choices=(1, 2, 3), help="the ZeRO stage")
+    switches.add_argument("--micro-batches", type=int, metavar="M", help="accumulate_steps")
+    switches.add_argument("--schedule", choices=SCHEDULES, help="the pipeline's schedule_mode")
+    switches.add_argument("--amp", choices=("float16", "bfloat16"), nargs="?", const="bfloat16")
+    switches.add_argument(
+        "--recompute", action="store_true", help="recompute each block in the backward pass"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=20, help="a metrics line every N steps")
+    parser.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard scalars here")
+    return parser.parse_args(argv)
+
+
+def default_strategy() -> fleetjax.DistributedStrategy:
+    """dp2 x pp2 x mp2: examples/strategies/gpt_dp2_pp2_mp2.prototxt."""
+    return fleetjax.DistributedStrategy(
+        pipeline=True,
+        pipeline_configs={"accumulate_steps": 4, "micro_batch_size": 4, "schedule_mode": "1F1B"},
+        hybrid_configs={"dp_degree": 2, "pp_degree": 2, "mp_degree": 2},
+    )
+
+
+def pipelined(s: fleetjax.DistributedStrategy) -> bool:
+    """Whether `s` asks for a pipeline (make_train_step's rule)."""
+    return s.pipeline or s.hybrid_configs["pp_degree"] > 1
+
+
+def strategy_from(args: argparse.Namespace) -> fleetjax.DistributedStrategy:
+    """The strategy file (or `default_strategy`) with the command line's switches on top."""
+    if args.strategy:
+        s = fleetjax.DistributedStrategy.from_prototxt(args.strategy)
+    else:
+        s = default_strategy()
+    degrees = {"dp": args.dp, "sharding": args.sharding, "pp": args.pp, "mp": args.mp}
+    s.hybrid_configs = {f"{axis}_degree": n for axis, n in degrees.items() if n is not None}
+    if args.sharding is not None:
+        s.sharding = args.sharding > 1
+        s.sharding_configs = {"sharding_degree": args.sharding}
+    if args.stage is not None:
+        if not s.sharding:
+            raise SystemExit(f"--stage {args.stage} needs ZeRO sharding: give --sharding N > 1")
+        s.sharding_configs = {"stage": args.stage}
+    if args.pp is not None:
+        s.pipeline = args.pp > 1
+    if args.micro_batches is not None:
+        s.pipeline_configs = {"accumulate_steps": args.micro_batches}
+    if args.schedule is not None:
+        s.pipeline_configs = {"schedule_mode": args.schedule}
+    if args.batch_size is not None and pipelined(s):
+        m = s.pipeline_configs["accumulate_steps"]
+        if args.batch_size % m:
+            raise SystemExit(
+                f"--batch-size {args.batch_size} does not split into accumulate_steps={m} "
+                "micro-batches: give a multiple of it"
+            )
+        s.pipeline_configs = {"micro_batch_size": args.batch_size // m}
+    if args.amp:
+        s.amp, s.amp_configs = True, {"dtype": args.amp}
+    if args.recompute:
+        # Keep each block's input, recompute the rest (Paddle's full-block recompute).
+        s.recompute, s.recompute_configs = True, {"policy": "nothing_saveable"}
+    return s
+
+
+def corpus(module: str) -> np.ndarray:
+    """The bytes of `module`'s source file as int32 tokens (ASCII only: the vocabulary is 128)."""
+    path = getattr(importlib.import_module(module), "__file__", None)
+    if path is None or not path.endswith(".py"):
+        raise SystemExit(f"--corpus {module}: its file {path} is not Python source")
+    text = np.frombuffer(pathlib.Path(path).read_bytes(), np.uint8)
+    return text[text < 128].astype(np.int32)
+
+
+def batches(tokens: np.ndarray, rows: int, length: int, seed: int) -> Iterator[dict[str, Any]]:
+    """Endless batches of `rows` random windows of `length + 1` tokens."""
+    rng = np.random.default_rng(seed)
+    while True:
+        starts = rng.integers(0, len(tokens) - length - 1, rows)
+        yield {"tokens": np.stack([tokens[s : s + length + 1] for s in starts])}
+
+
+def process_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """This process's rows of a global batch: the step joins all processes' rows in order."""
+    rows = len(next(iter(batch.values()))) // jax.process_count()
+    start = jax.process_index() * rows
+    return {k: v[start : start + rows] for k, v in batch.items()}
+
+
+def tensorboard_writer(logdir: str) -> Any:
+    """A tensorboardX `SummaryWriter` for `logdir`."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        raise SystemExit(
+            f"--tensorboard {logdir}: TensorBoard logs are written with tensorboardX, which is "
+            "not installed: pip install tensorboardX"
+        ) from None
+    return SummaryWriter(logdir)
+
+
+class TrainingLog:
+    """A training loop's output: a tqdm progress bar, a metrics line every `log_every` steps
+    (each metric, and the throughput since the previous line) and, with `logdir`, the same
+    scalars for TensorBoard. Shared by the examples' training scripts.
+
+    The first step compiles, so throughput is timed from its end. Metrics are read from the
+    device only when a line is printed.
+    """
+
+    def __init__(
+        self,
+        steps: int,
+        *,
+        log_every: int,
+        per_step: int,
+        unit: str,
+        logdir: str | None = None,
+    ) -> None:
+        """`per_step` `unit`s (e.g. 1024 "tokens") are processed per step."""
+        for flag, value in (("--steps", steps), ("--log-every", log_every)):
+            if value < 1:
+                raise SystemExit(f"{flag} must be a positive number of steps, got {value}")
+        from tqdm import tqdm  # here: the notebooks use this module's data without tqdm
+
+        lead = jax.process_index() == 0  # one process reports
+        self.writer = tensorboard_writer(logdir) if logdir and lead else None
+        self.progress = tqdm(total=steps, desc="training", unit="step", disable=not lead)
+        self.log_every, self.per_step, self.unit = log_every, per_step, unit
+        self.done = 0
+        self.first: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+        self._start = self._mark = time.perf_counter()
+        self._marked = 0  # steps done at the last mark
+
+    def step(self, metrics: dict[str, Any]) -> None:
+        """Record one step's scalar metrics (device arrays or numbers)."""
+        self.done += 1
+        self.progress.update()
+        if self.done == 1:
+            self.first = self.last = {k: float(v) for k, v in metrics.items()}
+            self._start = self._mark = time.perf_counter()
+            self._marked = 1
+        elif self.done % self.log_every == 0 or self.done == self.progress.total:
+            self.last = {k: float(v) for k, v in metrics.items()}  # waits for the step
+            now = time.perf_counter()
+            rate = (self.done - self._marked) * self.per_step / (now - self._mark)
+            self._mark, self._marked = now, self.done
+            scalars = {**self.last, f"{self.unit}_per_second": rate}
+            self.progress.set_postfix(loss=f"{self.last['loss']:.4f}")
+            self.progress.write(
+                f"step {self.done}: "
+                + " | ".join(f"{k} {v:.4f}" for k, v in self.last.items())
+                + f" | {rate:,.0f} {self.unit}/s"
+            )
+            if self.writer is not None:
+                for name, value in scalars.items():
+                    self.writer.add_scalar(f"train/{name}", value, self.done)
+
+    def close(self) -> float:
+        """Close the bar and the log; returns the throughput (`unit`s per second) of every step
+        after the first (NaN after a single step)."""
+        self.progress.close()
+        if self.writer is not None:
+            self.writer.close()
+        timed = self.done - 1
+        elapsed = time.perf_counter() - self._start
+        return timed * self.per_step / elapsed if timed > 0 else float("nan")
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    strategy = strategy_from(args)
+    fleet.init(is_collective=True, strategy=strategy)
+    mesh = fleet.mesh
+    config = GPTConfig(
+        vocab_size=128,
+        max_position_embeddings=args.seq_len,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        num_hidden_layers=args.layers,
+        intermediate_size=4 * args.hidden,
+    )
+    model, params = make_gpt(config, seed=args.seed)
+    specs = model.partition_specs()
+    if pipelined(strategy):
+        chunks = VIRTUAL_STAGES if strategy.pipeline_configs["schedule_mode"] == "VPP" else 1
+        # Each block is marked for recompute (model.loss_fn marks its own); the mark does
+        # nothing without the recompute switch.
+        block = fleetjax.recompute(model.stage)
+        loss_fn = PipelineLayer(model.embed, block, model.head_loss, chunks)
+        params, specs = model.pipeline_params(params), model.pipeline_params(specs)
+        per_replica = (
+            strategy.pipeline_configs["micro_batch_size"]
+            * strategy.pipeline_configs["accumulate_steps"]
+        )
+    else:
+        loss_fn = model.loss_fn
+        per_replica = args.batch_size or 16
+    optimizer = fleet.distributed_optimizer(
+        fleetjax.optimizers.adamw(args.learning_rate, weight_decay=0.01)
+    )
+    step = fleetjax.make_train_step(loss_fn, optimizer, param_specs=specs)
+    state = step.init(params)
+
+    rows = per_replica * data_parallel_size(mesh)
+    tokens_per_step = rows * args.seq_len
+    size = sum(x.size for x in jax.tree.leaves(params))
+    print(
+        f"GPT: {size / 1e6:.2f}M parameters ({args.layers} layers, hidden {args.hidden}, "
+        f"{args.heads} heads); {rows} x {args.seq_len} tokens per step\n{strategy!r}"
+    )
+    log = TrainingLog(
+        args.steps,
+        log_every=args.log_every,
+        per_step=tokens_per_step,
+        unit="tokens",
+        logdir=args.tensorboard,
+    )
+    data = batches(corpus(args.corpus), rows, args.seq_len, args.seed)
+    for _ in range(args.steps):
+        state, metrics = step(state, process_rows(next(data)))
+        log.step({k: metrics[k] for k in ("loss", "loss_scale") if k in metrics})
+    throughput = log.close()
+
+    summary = {
+        "first_loss": log.first["loss"],
+        "final_loss": log.last["loss"],
+        "tokens_per_second": throughput,
+        "devices": mesh.devices.size,
+        "mesh": dict(mesh.shape),
+    }
+    platform = mesh.devices.flat[0].platform
+    print(
+        f"\nloss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} | "
+        f"{throughput:,.0f} tokens/s over {args.steps - 1} steps | "
+        f"{summary['devices']} {platform} devices, mesh {summary['mesh']}"
+    )
+    return summary
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
+    jax.config.update("jax_num_cpu_devices", arguments.cpu_devices)  # before any backend starts
+    main(arguments)

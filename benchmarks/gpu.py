@@ -180,7 +180,13 @@ def resnet_row(variant: Variant, depth: int, images: int, steps: int) -> dict[st
     replicas = fleetjax.mesh.data_parallel_size(mesh)
     model, params = make_resnet(depth, 10, in_channels=3, replicas=replicas)
     step = fleetjax.make_train_step(
-        model.loss_fn, optax.sgd(0.1, momentum=0.9), variant.strategy, mesh, has_aux=True
+        model.loss_fn,
+        optax.sgd(0.1, momentum=0.9),
+        variant.strategy,
+        mesh,
+        has_aux=True,
+        has_state=True,
+        state_specs=model.stats_specs(mesh=mesh),
     )
     rows = images * replicas
     rng = np.random.RandomState(0)
@@ -188,7 +194,8 @@ def resnet_row(variant: Variant, depth: int, images: int, steps: int) -> dict[st
         "image": rng.randn(rows, 32, 32, 3).astype(np.float32),
         "label": rng.randint(0, 10, rows).astype(np.int32),
     }
-    seconds, _, metrics = _timed(step, step.init(params), batch, steps)
+    state = step.init(params, model_state=model.initial_stats())
+    seconds, _, metrics = _timed(step, state, batch, steps)
     return {
         "model": f"ResNet-{depth}",
         "variant": variant.label,

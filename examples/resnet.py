@@ -9,14 +9,14 @@ channels last, ``[batch, height, width, channels]``.
 
 Batch normalization follows `DistributedStrategy.sync_batch_norm`: statistics over the whole
 global batch (``sync_batch_norm=True``, Paddle's ``SyncBatchNorm``) or over each data-parallel
-replica's rows (Paddle's default). `fleetjax.make_train_step` trains parameters only, so the
-loss returns each layer's batch statistics as an aux output, and the caller keeps the running
-statistics with Paddle's momentum (`running_average`), which evaluation uses:
+replica's rows (Paddle's default). The running statistics are the train step's model state
+(`make_train_step(..., has_state=True)`): the loss normalizes with the batch's statistics and
+returns the running ones updated with Paddle's momentum; evaluation uses them:
 
     resnet, params = make_resnet(8, 10, sync_batch_norm=True)
     stats = resnet.initial_stats()
-    loss, aux = resnet.loss_fn(params, {"image": x, "label": y})   # x: float32 [B, H, W, C]
-    stats = resnet.running_average(stats, aux["batch_stats"])
+    batch = {"image": x, "label": y}                                # x: float32 [B, H, W, C]
+    loss, aux, stats = resnet.loss_fn(params, stats, batch)         # aux: {"accuracy": ...}
     logits = resnet.logits(params, stats, x)                        # running statistics
 """
 
@@ -122,10 +122,7 @@ class ResNetFunctions:
     """The ResNet as pure functions of plain pytrees (nested dicts of arrays): parameters, and
     running statistics (each `BatchNorm`'s ``mean`` and ``var``, ``[groups, channels]``)."""
 
-    def __init__(self, model: ResNet, momentum: float) -> None:
-        self.momentum = momentum
-        # The model's BatchNorms have momentum 0: after a training forward their statistics are
-        # exactly the batch's, which the loss returns.
+    def __init__(self, model: ResNet) -> None:
         self._graphdef, _, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
         self._initial_stats = nnx.to_pure_dict(stats)
         self._state = nnx.eval_shape(lambda: nnx.state(model))  # shapes and logical names
@@ -134,18 +131,20 @@ class ResNetFunctions:
         model = nnx.merge(self._graphdef, params, stats)
         return nnx.view(model, use_running_average=not training)
 
-    def loss_fn(self, params: Params, batch: Batch) -> tuple[jax.Array, dict[str, Any]]:
+    def loss_fn(
+        self, params: Params, stats: Stats, batch: Batch
+    ) -> tuple[jax.Array, dict[str, Any], Stats]:
         """The mean cross entropy of ``batch["image"]`` (float [B, H, W, C]) against
-        ``batch["label"]`` (int [B]), normalizing with batch statistics.
+        ``batch["label"]`` (int [B]), normalizing with batch statistics, for
+        `make_train_step(..., has_aux=True, has_state=True)`.
 
-        Returns ``(loss, {"accuracy": ..., "batch_stats": ...})``: the batch statistics are
-        shaped like `initial_stats()`, for `running_average`."""
-        model = self._merge(params, self._initial_stats, training=True)
+        Returns ``(loss, {"accuracy": ...}, stats)``: the running statistics after this batch
+        (``momentum * stats + (1 - momentum) * batch``, Paddle's update)."""
+        model = self._merge(params, stats, training=True)
         logits = model(batch["image"])
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
         accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
-        batch_stats = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
-        return loss, {"accuracy": accuracy, "batch_stats": batch_stats}
+        return loss, {"accuracy": accuracy}, nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
 
     def logits(self, params: Params, stats: Stats, images: jax.Array) -> jax.Array:
         """Evaluation: the logits of `images`, normalized with the running statistics `stats`
@@ -156,11 +155,6 @@ class ResNetFunctions:
         """Fresh running statistics: means 0, variances 1 (Paddle's initial ``_mean`` and
         ``_variance``)."""
         return jax.tree.map(jnp.copy, self._initial_stats)
-
-    def running_average(self, stats: Stats, batch_stats: Stats) -> Stats:
-        """Paddle's running statistics update: ``momentum * stats + (1 - momentum) * batch``."""
-        m = self.momentum
-        return jax.tree.map(lambda s, b: m * s + (1 - m) * b, stats, batch_stats)
 
     def stats_specs(self, *, mesh: Mesh | None = None) -> Stats:
         """A PartitionSpec for every running statistic: local statistics are split over the
@@ -206,8 +200,8 @@ def make_resnet(
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if not 0 <= momentum <= 1:
         raise ValueError(f"momentum must be in [0, 1], got {momentum!r}")
-    bn = {"sync": sync_batch_norm, "replicas": replicas, "momentum": 0.0}
+    bn = {"sync": sync_batch_norm, "replicas": replicas, "momentum": momentum}
     model = ResNet(
         depth, num_classes, width=width, in_channels=in_channels, bn=bn, rngs=nnx.Rngs(seed)
     )
-    return ResNetFunctions(model, momentum), nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    return ResNetFunctions(model), nnx.to_pure_dict(nnx.state(model, nnx.Param))

@@ -28,7 +28,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
 from resnet import ResNetFunctions, make_resnet
 from train_digits import batches, load_data
 from train_gpt import TrainingLog, process_rows
@@ -116,14 +115,6 @@ def strategy_from(args: argparse.Namespace) -> fleetjax.DistributedStrategy:
         s.lars, s.dgc = False, True
     if args.fuse_grad_size_in_MB is not None:
         s.fuse_all_reduce_ops, s.fuse_grad_size_in_MB = True, args.fuse_grad_size_in_MB
-    per_replica = [name for name in ("dgc", "localsgd", "adaptive_localsgd") if getattr(s, name)]
-    if per_replica and not s.sync_batch_norm:
-        raise SystemExit(
-            f"{per_replica[0]} with local batch-norm statistics: under {per_replica[0]} each "
-            "replica runs its own step and the steps' outputs are averaged over the replicas, "
-            "so each replica's running statistics would be lost; use sync_batch_norm "
-            f"(--sync-bn) with {per_replica[0]}"
-        )
     return s
 
 
@@ -157,13 +148,16 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     # Cosine decay (Paddle's CosineAnnealingDecay), as the ResNet practice with LARS uses.
     schedule = optax.cosine_decay_schedule(args.learning_rate, args.steps)
     optimizer = fleet.distributed_optimizer(fleetjax.optimizers.momentum(schedule, 0.9))
-    step = fleetjax.make_train_step(resnet.loss_fn, optimizer, has_aux=True)
-    state = step.init(params)
-    stats_sharding = jax.tree.map(
-        lambda spec: NamedSharding(mesh, spec), resnet.stats_specs(mesh=mesh)
+    # The BatchNorms' running statistics are the step's model state (local ones split over the
+    # data axes, one row per replica).
+    step = fleetjax.make_train_step(
+        resnet.loss_fn,
+        optimizer,
+        has_aux=True,
+        has_state=True,
+        state_specs=resnet.stats_specs(mesh=mesh),
     )
-    stats = jax.device_put(resnet.initial_stats(), stats_sharding)
-    running_average = jax.jit(resnet.running_average, out_shardings=stats_sharding)
+    state = step.init(params, model_state=resnet.initial_stats())
 
     size = sum(x.size for x in jax.tree.leaves(params))
     rows = args.batch_size * replicas
@@ -178,7 +172,6 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     )
     for _ in range(args.steps):
         state, metrics = step(state, process_rows(next(data)))
-        stats = running_average(stats, metrics["batch_stats"])
         log.step({k: metrics[k] for k in ("loss", "accuracy", "loss_scale") if k in metrics})
     throughput = log.close()
 
@@ -190,7 +183,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     evaluated = len(test["label"]) // replicas * replicas
     test = step.shard_batch(process_rows({k: v[:evaluated] for k, v in test.items()}))
     with jax.set_mesh(mesh):  # the layers constrain activations against the ambient mesh
-        test_accuracy = float(jax.jit(accuracy, static_argnums=0)(resnet, params, stats, test))
+        test_accuracy = float(
+            jax.jit(accuracy, static_argnums=0)(resnet, params, state.model_state, test)
+        )
 
     summary = {
         "first_loss": log.first["loss"],

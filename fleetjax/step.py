@@ -48,7 +48,8 @@ from fleetjax.transforms import amp, grad_allreduce, gradient_merge, recompute
 from fleetjax.transforms.pipeline import PipelineLayer, PipelineParams, pipeline, to_pipeline_order
 
 LossFn = Callable[..., Any]
-GradFn = Callable[..., tuple[tuple[jax.Array, dict[str, Any]], Any]]
+# (params, model_state, batch, *rest) -> ((loss, aux, new model_state), grads)
+GradFn = Callable[..., tuple[tuple[jax.Array, dict[str, Any], Any], Any]]
 
 
 class TrainState(NamedTuple):
@@ -61,6 +62,8 @@ class TrainState(NamedTuple):
       opt_state: the optimizer state (stacked per replica under DGC and LocalSGD).
       rng: raw key data (uint32[2]); step `i` gives the loss `fold_in(rng, i)`.
       loss_scale: AMP's dynamic loss-scaling state, if AMP scales the loss.
+      model_state: the model's variables that are not trained by gradients (batch-norm
+        running statistics and the like), with `make_train_step(..., has_state=True)`.
     """
 
     step: jax.Array
@@ -68,6 +71,7 @@ class TrainState(NamedTuple):
     opt_state: Any
     rng: jax.Array
     loss_scale: amp.LossScaleState | None = None
+    model_state: Any = None
 
 
 class TrainStep:
@@ -88,6 +92,8 @@ class TrainStep:
         has_aux: bool,
         has_rng: bool,
         param_specs: Any = None,
+        has_state: bool = False,
+        state_specs: Any = None,
     ) -> None:
         if plan.pipeline is not None:
             if not isinstance(loss_fn, PipelineLayer):
@@ -96,8 +102,8 @@ class TrainStep:
                     "pass fleetjax.PipelineLayer(embed, stage, head_loss) as the loss, with "
                     f"PipelineParams, not {type(loss_fn).__name__}"
                 )
-            if has_aux or has_rng:
-                raise ValueError("the pipeline takes no aux outputs or PRNG keys yet")
+            if has_aux or has_rng or has_state:
+                raise ValueError("the pipeline takes no aux outputs, PRNG keys or model state yet")
         self.loss_fn = loss_fn
         self.param_specs = param_specs
         self.strategy = strategy
@@ -105,6 +111,8 @@ class TrainStep:
         self.mesh = mesh
         self.has_aux = has_aux
         self.has_rng = has_rng
+        self.has_state = has_state
+        self.state_specs = state_specs
         merge = self.plan.gradient_merge
         if merge is not None and not merge.in_step:
             optimizer = gradient_merge.across_calls(optimizer, merge.k_steps, merge.avg)
@@ -160,13 +168,23 @@ class TrainStep:
             )
             self._grad_specs = zero if plan.sharding_stage >= 2 else specs
             self._grad_sharding = jax.tree.map(shard, self._grad_specs, is_leaf=is_spec)
+        self._model_state_specs = self._state_specs(state.model_state)
         return TrainState(
             step=rep,
             params=params,
             opt_state=opt_state,
             rng=rep,
             loss_scale=None if state.loss_scale is None else rep,
+            model_state=jax.tree.map(shard, self._model_state_specs, is_leaf=is_spec),
         )
+
+    def _state_specs(self, model_state: Any) -> Any:
+        """The model state's placement: `state_specs`, by default read from logical axis names
+        (a local `fleetjax.layers.BatchNorm`'s statistics split over the data axes; plain
+        arrays replicated)."""
+        if self.state_specs is not None:
+            return self.state_specs
+        return partition_specs(model_state, mesh=self.mesh)
 
     def _param_specs(self, params: Any) -> Any:
         """The parameters' placement over the non-data axes: `param_specs`, by default read from
@@ -203,7 +221,7 @@ class TrainStep:
         return self._step
 
     # -- the pure step ------------------------------------------------------------------------
-    def _initial_state(self, params: Any, rng: jax.Array) -> TrainState:
+    def _initial_state(self, params: Any, rng: jax.Array, model_state: Any = None) -> TrainState:
         scaling = self.plan.amp.loss_scaling if self.plan.amp else None
         loss_scale = amp.init_loss_scale(scaling.init_loss_scaling) if scaling else None
         opt_state = self.optimizer.init(params)
@@ -211,20 +229,29 @@ class TrainStep:
             opt_state = self._stack(opt_state)
         if self.plan.replica_params:
             params = self._stack(params)
-        return TrainState(jnp.zeros((), jnp.int32), params, opt_state, rng, loss_scale)
+        return TrainState(jnp.zeros((), jnp.int32), params, opt_state, rng, loss_scale, model_state)
 
     def _stack(self, tree: Any) -> Any:
         return jax.tree.map(lambda x: jnp.broadcast_to(x, (self._replicas, *x.shape)), tree)
 
     def _loss(self, scale: jax.Array | None) -> Callable[..., tuple[jax.Array, Any]]:
-        """`(params, batch, *rest) -> (loss to differentiate, (loss, aux))`."""
-        loss_fn = self.loss_fn if self.has_aux else lambda *a: (self.loss_fn(*a), {})
+        """`(params, model_state, batch, *rest) -> (loss to differentiate, (loss, aux,
+        model_state))`, whichever of aux and model state the user's loss has."""
+        loss_fn = self.loss_fn
         if self.plan.amp is not None:
             loss_fn = amp.autocast(loss_fn, self.plan.amp.policy)
 
-        def scaled(*args: Any) -> tuple[jax.Array, Any]:
-            loss, aux = loss_fn(*args)
-            return (loss if scale is None else loss * scale), (loss, aux)
+        def scaled(params: Any, model_state: Any, batch: Any, *rest: Any) -> tuple:
+            if self.has_state:  # (loss, new state) or (loss, aux, new state)
+                # Rebuilt here, so that flax Variables in it belong to this trace (nnx refuses
+                # to update a Variable made at another trace level).
+                model_state = jax.tree.map(lambda x: x, model_state)
+                *out, model_state = loss_fn(params, model_state, batch, *rest)
+            else:  # loss or (loss, aux)
+                out = loss_fn(params, batch, *rest)
+                out = out if self.has_aux else (out,)
+            loss, aux = out if self.has_aux else (out[0], {})
+            return (loss if scale is None else loss * scale), (loss, aux, model_state)
 
         return scaled
 
@@ -259,12 +286,12 @@ class TrainStep:
             vpp_degree=self._vpp_degree(),
         )
 
-        def grad_fn(params: Any, batch: Any) -> tuple[tuple[jax.Array, Any], Any]:
+        def grad_fn(params: Any, model_state: None, batch: Any) -> tuple[tuple, Any]:
             if scale is None:
                 loss, grads = value_and_grad(params, batch)
-                return (loss, {}), grads
+                return (loss, {}, None), grads
             loss, grads = value_and_grad(params._replace(head=(params.head, scale)), batch)
-            return (loss / scale, {}), grads._replace(head=grads.head[0])
+            return (loss / scale, {}, None), grads._replace(head=grads.head[0])
 
         return grad_fn
 
@@ -275,9 +302,9 @@ class TrainStep:
             return self._pipeline_grad_fn(scale)
         value_and_grad = jax.value_and_grad(self._loss(scale), has_aux=True)
 
-        def grad_fn(params: Any, batch: Any, *rest: Any) -> tuple[tuple[jax.Array, Any], Any]:
-            (_, (loss, aux)), grads = value_and_grad(params, batch, *rest)
-            return (loss, aux), grads
+        def grad_fn(params: Any, model_state: Any, batch: Any, *rest: Any) -> tuple[tuple, Any]:
+            (_, out), grads = value_and_grad(params, model_state, batch, *rest)
+            return out, grads
 
         plan, axes = self.plan, self._axes
         zero2 = plan.sharding_stage >= 2 and "sharding" in axes and self.mesh.shape["sharding"] > 1
@@ -294,6 +321,7 @@ class TrainStep:
         if merge is not None:
             grad_fn = gradient_merge.microbatched(grad_fn, merge.k_steps, merge.avg)
         if explicit and not local:
+            state = self._over_data(self._model_state_specs)
             if zero2:  # each device ends with only its shard of the reduced gradient
                 specs = jax.tree.map(
                     _over(axes), self._grad_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
@@ -307,12 +335,14 @@ class TrainStep:
                 dtype = jnp.dtype(plan.allreduce_dtype or jnp.float32)
                 reducer = grad_allreduce.hierarchical_mean(self._replicas, per_node, dtype)
                 return grad_allreduce.data_parallel(
-                    grad_fn, self.mesh, axes, reducer, check_vma=False
+                    grad_fn, self.mesh, axes, reducer, state_specs=state, check_vma=False
                 )
             else:
                 dtype = jnp.dtype(plan.allreduce_dtype or jnp.float32)
                 reducer, specs = grad_allreduce.mean_in(dtype), None
-            grad_fn = grad_allreduce.data_parallel(grad_fn, self.mesh, axes, reducer, specs)
+            grad_fn = grad_allreduce.data_parallel(
+                grad_fn, self.mesh, axes, reducer, specs, state_specs=state
+            )
         return grad_fn
 
     def _recompute_scope(self) -> contextlib.AbstractContextManager[Any]:
@@ -372,7 +402,9 @@ class TrainStep:
         rest = (jax.random.fold_in(state.rng, state.step),) if self.has_rng else ()
         scale = None if state.loss_scale is None else state.loss_scale.loss_scale
         with self._recompute_scope():
-            (loss, aux), grads = self._grad_fn(scale)(state.params, batch, *rest)
+            (loss, aux, model_state), grads = self._grad_fn(scale)(
+                state.params, state.model_state, batch, *rest
+            )
         # ZeRO-2/3: each device keeps its shard of the gradient (a reduce-scatter).
         grads = constrain(grads, self._grad_sharding)
         opt_state = state.opt_state
@@ -384,7 +416,9 @@ class TrainStep:
         params, opt_state, loss_scale, extra = self._apply(
             state.params, opt_state, state.loss_scale, loss, grads, lambda finite: finite
         )
-        new_state = TrainState(state.step + 1, params, opt_state, state.rng, loss_scale)
+        new_state = TrainState(
+            state.step + 1, params, opt_state, state.rng, loss_scale, model_state
+        )
         return new_state, {"loss": loss, **aux, **extra}
 
     def _update_per_replica(
@@ -396,14 +430,14 @@ class TrainStep:
         unstack = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
         restack = lambda tree: jax.tree.map(lambda x: x[None], tree)  # noqa: E731
 
-        def local(params, opt_state, loss_scale, batch, rng, step_index) -> tuple:
+        def local(params, opt_state, loss_scale, model_state, batch, rng, step_index) -> tuple:
             if plan.replica_params:
                 params = unstack(params)
             scale = None if loss_scale is None else loss_scale.loss_scale
             key = jax.random.fold_in(jax.random.fold_in(rng, step_index), jax.lax.axis_index(axes))
             with self._recompute_scope():
-                (loss, aux), grads = self._grad_fn(scale, local=True)(
-                    params, batch, *((key,) if self.has_rng else ())
+                (loss, aux, model_state), grads = self._grad_fn(scale, local=True)(
+                    params, model_state, batch, *((key,) if self.has_rng else ())
                 )
 
             def agree(finite: jax.Array) -> jax.Array:
@@ -415,7 +449,7 @@ class TrainStep:
             if plan.replica_params:
                 params = restack(params)
             metrics = {"loss": mean(loss), **mean(aux), **extra}
-            return params, restack(opt_state), loss_scale, metrics
+            return params, restack(opt_state), loss_scale, model_state, metrics
 
         stacked, rep = PartitionSpec(axes), PartitionSpec()
         params_spec = stacked if plan.replica_params else rep
@@ -423,41 +457,78 @@ class TrainStep:
         # parameter updates of DGC are equal on every replica but typed per replica, so the
         # replication of the outputs is not checked.
         manual = frozenset(axes) | {a for a in self.mesh.axis_names if self.mesh.shape[a] == 1}
-        params, opt_state, loss_scale, metrics = jax.shard_map(
+        model_spec = self._over_data(self._model_state_specs)
+        params, opt_state, loss_scale, model_state, metrics = jax.shard_map(
             local,
             mesh=self.mesh,
-            in_specs=(params_spec, stacked, rep, stacked, rep, rep),
-            out_specs=(params_spec, stacked, rep, rep),
+            in_specs=(params_spec, stacked, rep, model_spec, stacked, rep, rep),
+            out_specs=(params_spec, stacked, rep, model_spec, rep),
             axis_names=manual,
             check_vma=False,
-        )(state.params, state.opt_state, state.loss_scale, batch, state.rng, state.step)
-        return TrainState(state.step + 1, params, opt_state, state.rng, loss_scale), metrics
+        )(
+            state.params,
+            state.opt_state,
+            state.loss_scale,
+            state.model_state,
+            batch,
+            state.rng,
+            state.step,
+        )
+        new_state = TrainState(
+            state.step + 1, params, opt_state, state.rng, loss_scale, model_state
+        )
+        return new_state, metrics
+
+    def _over_data(self, specs: Any) -> Any:
+        """`specs` as a `shard_map` over the data axes sees them: only their data axes."""
+        return jax.tree.map(_over(self._axes), specs, is_leaf=_is_spec)
 
     # -- the public surface --------------------------------------------------------------------
-    def init(self, params: Any, seed: int | jax.Array = 0) -> TrainState:
-        """The initial state: `params` replicated over the mesh, a fresh optimizer state, and
-        the step key from `seed` (an int, or raw key data)."""
+    def init(self, params: Any, seed: int | jax.Array = 0, model_state: Any = None) -> TrainState:
+        """The initial state: `params` placed over the mesh, a fresh optimizer state, the step
+        key from `seed` (an int, or raw key data), and, with `has_state`, the `model_state`
+        (batch-norm statistics and the like) placed by `state_specs`."""
+        self._check_model_state(model_state)
         rng = jax.random.PRNGKey(seed) if isinstance(seed, int) else jnp.asarray(seed)
         if self.plan.pipeline is not None and self._vpp_degree() > 1:
             # Stage s holds chunks s, s + P, ...: the layers are kept in that order (see
             # fleetjax.transforms.pipeline.to_model_order to go back).
             layers = to_pipeline_order(params.layers, self.mesh.shape["pp"], self._vpp_degree())
             params = params._replace(layers=layers)
-        self.abstract_state = self.abstract_init(params, rng)
+        self.abstract_state = self.abstract_init(params, rng, model_state)
         shardings = self._state_shardings(self.abstract_state)
         # Each device receives only its part (under ZeRO-3, 1/N of each parameter).
         params_in = shardings.params
         if self.plan.replica_params:  # stacked per replica only inside init
             params_in = jax.tree.map(lambda _: replicated(self.mesh), params)
-        placed = jax.device_put((params, rng), (params_in, replicated(self.mesh)))
+        placed = jax.device_put(
+            (params, rng, model_state),
+            (params_in, replicated(self.mesh), shardings.model_state),
+        )
         with jax.set_mesh(self.mesh):
             return jax.jit(self._initial_state, out_shardings=shardings)(*placed)
 
-    def abstract_init(self, params: Any, seed: int | jax.Array = 0) -> TrainState:
-        """The shapes and dtypes of `init(params, seed)`'s state (`jax.ShapeDtypeStruct`s;
-        nothing is computed or placed), e.g. to `lower` the step without real data."""
+    def _check_model_state(self, model_state: Any) -> None:
+        if self.has_state and model_state is None:
+            raise ValueError(
+                "make_train_step(..., has_state=True) needs the model state: "
+                "step.init(params, model_state=...)"
+            )
+        if not self.has_state and model_state is not None:
+            raise ValueError(
+                "a model_state was given, but the step was made without has_state=True, so "
+                "the loss would never see it"
+            )
+
+    def abstract_init(
+        self, params: Any, seed: int | jax.Array = 0, model_state: Any = None
+    ) -> TrainState:
+        """The shapes and dtypes of `init(params, seed, model_state)`'s state
+        (`jax.ShapeDtypeStruct`s; nothing is computed or placed), e.g. to `lower` the step
+        without real data."""
+        self._check_model_state(model_state)
         rng = jax.random.PRNGKey(seed) if isinstance(seed, int) else seed
-        return jax.eval_shape(self._initial_state, params, rng)
+        return jax.eval_shape(self._initial_state, params, rng, model_state)
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         """One step on the global `batch` (host data is placed here; see `shard_batch`).
@@ -613,6 +684,8 @@ def make_train_step(
     has_aux: bool = False,
     has_rng: bool = False,
     param_specs: Any = None,
+    has_state: bool = False,
+    state_specs: Any = None,
 ) -> TrainStep:
     """A jitted training step for `loss_fn(params, batch)` under `strategy`.
 
@@ -634,6 +707,15 @@ def make_train_step(
         (and `pp`) axes: how parameters are split for tensor parallelism. Default: from the
         parameters' logical axis names (`fleetjax.layers.partition_specs`; plain arrays are
         replicated). ZeRO adds the `sharding` axis on top.
+      has_state: whether the model has variables that the loss updates but gradients do not
+        train (batch-norm running statistics): the loss is then
+        `loss_fn(params, model_state, batch[, rng])` and returns `(loss, new_model_state)`, or
+        `(loss, aux_dict, new_model_state)` with `has_aux`; `TrainState.model_state` keeps it
+        (give the first to `step.init(params, model_state=...)`). Under in-step gradient
+        merge the micro-batches' new float states are averaged (the large batch's).
+      state_specs: `PartitionSpec`s like the model state (default: from its logical axis
+        names, e.g. a local `fleetjax.layers.BatchNorm`'s statistics split over the data
+        axes; plain arrays replicated).
 
     Raises:
       NotImplementedError: if the strategy turns on a feature this version cannot apply.
@@ -663,4 +745,15 @@ def make_train_step(
         optimizer = optimizer_for_strategy(
             user, strategy, data_parallel_size(mesh), data_axes(mesh)
         )
-    return TrainStep(loss_fn, optimizer, strategy, plan, mesh, has_aux, has_rng, param_specs)
+    return TrainStep(
+        loss_fn,
+        optimizer,
+        strategy,
+        plan,
+        mesh,
+        has_aux,
+        has_rng,
+        param_specs,
+        has_state,
+        state_specs,
+    )

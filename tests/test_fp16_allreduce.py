@@ -73,18 +73,17 @@ def test_composes_with_in_step_gradient_merge_and_amp():
 def test_mean_in_keeps_other_float_dtypes():
     mesh = fleetjax.build_mesh()
 
-    def grad_fn(params, batch):
-        return (batch.mean(), {}), {
-            k: (v * batch.mean()).astype(v.dtype) for k, v in params.items()
-        }
+    def grad_fn(params, model_state, batch):
+        grads = {k: (v * batch.mean()).astype(v.dtype) for k, v in params.items()}
+        return (batch.mean(), {}, model_state), grads
 
     f = grad_allreduce.data_parallel(
         grad_fn, mesh, ("dp", "sharding"), grad_allreduce.mean_in(np.float16)
     )
     params = {"f": np.ones(3, np.float32), "b": np.ones(3, jax.numpy.bfloat16)}
-    (loss, _), grads = jax.jit(f)(params, np.arange(16, dtype=np.float32))
+    (loss, _, _), grads = jax.jit(f)(params, None, np.arange(16, dtype=np.float32))
     assert float(loss) == 7.5
     np.testing.assert_allclose(grads["f"], 7.5)
     assert grads["b"].dtype == jax.numpy.bfloat16
     with pytest.raises(TypeError, match="gradients must be floating point, got int32"):
-        jax.jit(f)({"i": np.ones(3, np.int32)}, np.arange(16, dtype=np.float32))
+        jax.jit(f)({"i": np.ones(3, np.int32)}, None, np.arange(16, dtype=np.float32))

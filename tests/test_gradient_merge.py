@@ -136,16 +136,22 @@ def test_batch_must_split_into_micro_batches_on_every_device():
 def test_microbatched_alone():
     params, batch = make(rows=12)
 
-    def grad_fn(params, batch):
+    def grad_fn(params, model_state, batch):
         (loss, aux), grads = jax.value_and_grad(lambda p, b: (loss_fn(p, b), {}), has_aux=True)(
             params, batch
         )
-        return (loss, aux), grads
+        # A model state: a running statistic of the batch and an integer counter.
+        new_state = {"mean": batch["y"].mean(0), "count": model_state["count"] + 1}
+        return (loss, aux, new_state), grads
 
-    (loss, _), grads = jax.jit(microbatched(grad_fn, 3))(params, batch)
-    (ref_loss, _), ref_grads = grad_fn(params, batch)
+    state = {"mean": jnp.zeros(2), "count": jnp.zeros((), jnp.int32)}
+    (loss, _, new_state), grads = jax.jit(microbatched(grad_fn, 3))(params, state, batch)
+    (ref_loss, _, ref_state), ref_grads = grad_fn(params, state, batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     chex.assert_trees_all_close(grads, ref_grads, rtol=1e-5, atol=1e-7)
+    # Floats: the micro-batches' mean (here the whole batch's); the counter: the last one's.
+    np.testing.assert_allclose(new_state["mean"], ref_state["mean"], rtol=1e-6)
+    assert new_state["count"] == 1 and new_state["count"].dtype == jnp.int32
     with pytest.raises(ValueError, match="k_steps must be a positive int, got 0"):
         microbatched(grad_fn, 0)
 

@@ -154,9 +154,10 @@ class TestErrors:
         with pytest.raises(ValueError, match="does not combine with gradient merge in one call"):
             fleetjax.make_train_step(MODEL, optax.sgd(0.1), s)
 
-    def test_no_aux(self):
-        with pytest.raises(ValueError, match="no aux outputs or PRNG keys"):
-            fleetjax.make_train_step(MODEL, optax.sgd(0.1), pipelined(), has_aux=True)
+    @pytest.mark.parametrize("option", ["has_aux", "has_rng", "has_state"])
+    def test_no_aux_rng_or_model_state(self, option):
+        with pytest.raises(ValueError, match="no aux outputs, PRNG keys or model state yet"):
+            fleetjax.make_train_step(MODEL, optax.sgd(0.1), pipelined(), **{option: True})
 
     def test_the_model_alone_is_the_unpipelined_loss(self):
         params, batch = make()

@@ -75,8 +75,8 @@ class Trainer:
             with the trained parameters; else `loss_fn(params, batch[, rng])`, as
             `make_train_step` takes it.
           model: a flax nnx Module (its `nnx.Param`s are trained; its other variables, such
-            as BatchNorm statistics, stay as they are and the loss must not change them), or
-            a pytree of parameters (`PipelineParams` under a pipeline).
+            as BatchNorm statistics, are the step's `model_state`, carried from one step to
+            the next), or a pytree of parameters (`PipelineParams` under a pipeline).
           optimizer: one from `fleet.distributed_optimizer`, or any optax transformation.
           strategy, mesh: as `make_train_step` takes them (default: the optimizer's).
           has_aux, has_rng, param_specs: as `make_train_step` takes them; an nnx Module's
@@ -87,14 +87,19 @@ class Trainer:
         """
         self.loss_fn = loss_fn
         self._module = model if isinstance(model, nnx.Module) else None
-        step_loss, params = loss_fn, model
+        step_loss, params, model_state, state_specs = loss_fn, model, None, None
         if self._module is not None:
             graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)
             params = nnx.to_pure_dict(param_state)
+            at = mesh if mesh is not None else getattr(optimizer, "mesh", None)
             if param_specs is None:
-                at = mesh if mesh is not None else getattr(optimizer, "mesh", None)
                 param_specs = nnx.to_pure_dict(partition_specs(param_state, mesh=at))
-            step_loss = _module_loss(loss_fn, graphdef, nnx.to_pure_dict(rest))
+            # The other variables (BatchNorm statistics, nnx.Rngs counters) are the model
+            # state that each step carries to the next.
+            if jax.tree.leaves(rest):
+                model_state = nnx.to_pure_dict(rest)
+                state_specs = nnx.to_pure_dict(partition_specs(rest, mesh=at))
+            step_loss = _module_loss(loss_fn, graphdef, has_aux, model_state is not None)
         self.train_step: TrainStep = make_train_step(
             step_loss,
             optimizer,
@@ -103,8 +108,12 @@ class Trainer:
             has_aux=has_aux,
             has_rng=has_rng,
             param_specs=param_specs,
+            has_state=model_state is not None,
+            state_specs=state_specs,
         )
-        self.state: TrainState = state if state is not None else self.train_step.init(params, seed)
+        self.state: TrainState = (
+            state if state is not None else self.train_step.init(params, seed, model_state)
+        )
         self.metrics: dict[str, Any] | None = None
         self._batch: Any = None  # held by backward() for step()
         self._applied = False  # step() applied the held gradients; clear_grad() not called yet
@@ -228,32 +237,28 @@ class Trainer:
     def _sync_model(self) -> None:
         if self._module is not None:
             nnx.update(self._module, self._first_replica(self.params))
+            if self.state.model_state is not None:
+                nnx.update(self._module, self.state.model_state)
 
 
 def _module_loss(
-    loss_fn: Callable[..., Any], graphdef: nnx.GraphDef, rest: dict[str, Any]
+    loss_fn: Callable[..., Any], graphdef: nnx.GraphDef, has_aux: bool, stateful: bool
 ) -> Callable[..., Any]:
-    """`loss_fn(model, batch, ...)` as a loss of the parameters (a pure dict), with the
-    module's other variables, `rest`, fixed."""
-    before = _flat(rest)
+    """`loss_fn(model, batch, ...)` as a loss of the parameters (a pure dict) and, if
+    `stateful`, of the module's other variables, whose new values it then returns as the
+    step's model state."""
 
-    def loss(params: dict[str, Any], batch: Any, *extra: Any) -> Any:
+    def loss(params: dict[str, Any], rest: dict[str, Any], batch: Any, *extra: Any) -> Any:
         model = nnx.merge(graphdef, params, rest)
         out = loss_fn(model, batch, *extra)
-        after = _flat(nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))))
-        changed = [name for name, value in after.items() if before.get(name) is not value]
-        if changed:
-            raise ValueError(
-                f"the loss changes the model's {', '.join(changed)}, which are not nnx.Params: "
-                "the train step carries only parameters from one step to the next, so these "
-                "changes would be lost (BatchNorm running statistics, nnx.Rngs counters). Call "
-                "the layers in evaluation mode (model.eval()), pass dropout keys explicitly "
-                "(has_rng=True gives the loss a fresh key each step), or train with your own "
-                "loop"
-            )
-        return out
+        if not stateful:
+            return out
+        new_rest = nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
+        return (*out, new_rest) if has_aux else (out, new_rest)
 
-    return loss
+    if stateful:
+        return loss
+    return lambda params, batch, *extra: loss(params, {}, batch, *extra)
 
 
 # -- optimizer state as a nested dict ------------------------------------------------------------

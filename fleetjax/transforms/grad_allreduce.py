@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 Reducer = Callable[[Any, tuple[str, ...]], Any]
+# (params, model_state, batch, *rest) -> ((loss, aux, new model_state), grads)
+GradFn = Callable[..., tuple[tuple[jax.Array, Any, Any], Any]]
 
 
 def mean_in(dtype: Any) -> Reducer:
@@ -142,51 +144,57 @@ def scatter_mean(specs: Any, axis: str = "sharding") -> Reducer:
 
 
 def data_parallel(
-    grad_fn: Callable[..., tuple[tuple[jax.Array, Any], Any]],
+    grad_fn: GradFn,
     mesh: Mesh,
     axes: Sequence[str],
     reducer: Reducer,
     grad_specs: Any = None,
+    *,
+    state_specs: Any = None,
     check_vma: bool = True,
-) -> Callable[..., tuple[tuple[jax.Array, Any], Any]]:
-    """`grad_fn(params, batch, *rest) -> ((loss, aux), grads)` with the gradients reduced by
-    `reducer` over the data `axes`; `grad_specs` says how the reduced gradients are split over
-    the data axes (a pytree of `PartitionSpec`s; default whole on every device). `check_vma`
-    False lets a reducer made of `ppermute`s (`hierarchical_mean`) return equal values that JAX
-    cannot prove equal.
+) -> GradFn:
+    """`grad_fn(params, model_state, batch, *rest) -> ((loss, aux, model_state), grads)` with
+    the gradients reduced by `reducer` over the data `axes`; `grad_specs` says how the reduced
+    gradients are split over the data axes (a pytree of `PartitionSpec`s; default whole on
+    every device), `state_specs` likewise for the model state (None for none, or replicated).
+    `check_vma` False lets a reducer made of `ppermute`s (`hierarchical_mean`) return equal
+    values that JAX cannot prove equal.
 
     Inside, each device computes `grad_fn` on its rows of the batch; the loss and aux values are
-    averaged over the replicas (they are means over equal shares of the batch). A PRNG key in
-    `rest` (the third argument) is folded with the replica index, so replicas draw different
-    random numbers. Mesh axes other than `axes` (of size > 1) stay with the compiler.
+    averaged over the replicas (they are means over equal shares of the batch); the new model
+    state is each device's, split as `state_specs` says (a layer that syncs its statistics
+    over the replicas makes them equal). A PRNG key in `rest` is folded with the replica
+    index, so replicas draw different random numbers. Mesh axes other than `axes` (of size >
+    1) stay with the compiler.
     """
     axes = tuple(axes)
 
-    def local(params: Any, batch: Any, *rest: Any) -> tuple[tuple[jax.Array, Any], Any]:
+    def local(params: Any, model_state: Any, batch: Any, *rest: Any) -> tuple[tuple, Any]:
         # Varying parameters give each device its own gradient; with replicated (invariant)
         # ones, JAX's transpose would already sum the gradients over the devices.
         params = jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), params)
         if rest:
             rest = (jax.random.fold_in(rest[0], jax.lax.axis_index(axes)), *rest[1:])
-        (loss, aux), grads = grad_fn(params, batch, *rest)
+        (loss, aux, model_state), grads = grad_fn(params, model_state, batch, *rest)
         mean = lambda tree: jax.tree.map(lambda x: jax.lax.pmean(x, axes), tree)  # noqa: E731
-        return (mean(loss), mean(aux)), reducer(grads, axes)
+        return (mean(loss), mean(aux), model_state), reducer(grads, axes)
 
     # Axes of size 1 have nothing to partition, so they are manual too; that also keeps
     # XLA:CPU compiling bfloat16 all-reduces (jaxlib 0.10.2 aborts in AllReducePromotion on a
     # bf16 psum inside a partially manual shard_map).
     manual = frozenset(axes) | {a for a in mesh.axis_names if mesh.shape[a] == 1}
 
-    def reduced(params: Any, batch: Any, *rest: Any) -> tuple[tuple[jax.Array, Any], Any]:
-        specs = (PartitionSpec(), PartitionSpec(axes), *(PartitionSpec() for _ in rest))
+    def reduced(params: Any, model_state: Any, batch: Any, *rest: Any) -> tuple[tuple, Any]:
+        state = PartitionSpec() if state_specs is None else state_specs
+        specs = (PartitionSpec(), state, PartitionSpec(axes), *(PartitionSpec() for _ in rest))
         out = PartitionSpec() if grad_specs is None else grad_specs
         return jax.shard_map(
             local,
             mesh=mesh,
             in_specs=specs,
-            out_specs=((PartitionSpec(), PartitionSpec()), out),
+            out_specs=((PartitionSpec(), PartitionSpec(), state), out),
             axis_names=manual,
             check_vma=check_vma,
-        )(params, batch, *rest)
+        )(params, model_state, batch, *rest)
 
     return reduced

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-GradFn = Callable[..., tuple[tuple[jax.Array, dict[str, Any]], Any]]
+# (params, model_state, batch, *rest) -> ((loss, aux, new model_state), grads)
+GradFn = Callable[..., tuple[tuple[jax.Array, dict[str, Any], Any], Any]]
 
 
 def _check_k(k_steps: int) -> None:
@@ -54,34 +55,49 @@ def split_batch(batch: Any, k_steps: int) -> Any:
 
 
 def microbatched(grad_fn: GradFn, k_steps: int, avg: bool = True) -> GradFn:
-    """`grad_fn(params, batch, *rest) -> ((loss, aux), grads)` over `k_steps` micro-batches.
+    """`grad_fn(params, model_state, batch, *rest) -> ((loss, aux, model_state), grads)` over
+    `k_steps` micro-batches.
 
     Gradients are the mean of the micro-batch gradients (the large-batch gradient) if `avg`,
-    else their sum; the loss and aux values are means. A PRNG key in `rest` (the third
-    argument) is folded with the micro-batch index. Under data parallelism run it on each
+    else their sum; the loss and aux values are means. Every micro-batch sees the same
+    `model_state`; of the new model states, floating values are averaged (the large batch's
+    statistics) and the others are the last micro-batch's. A PRNG key in `rest` is folded
+    with the micro-batch index. Under data parallelism run it on each
     device's own rows, inside `shard_map` (`grad_allreduce.data_parallel`, as
     `make_train_step` does), so that gradients accumulate locally and are reduced once.
     """
     _check_k(k_steps)
 
-    def merged(params: Any, batch: Any, *rest: Any) -> tuple[tuple[jax.Array, Any], Any]:
+    def merged(params: Any, model_state: Any, batch: Any, *rest: Any) -> tuple[tuple, Any]:
         parts = split_batch(batch, k_steps)
 
-        def one(index: jax.Array, micro: Any) -> tuple[tuple[jax.Array, Any], Any]:
+        def one(index: jax.Array, micro: Any) -> tuple[tuple, Any]:
             extra = (jax.random.fold_in(rest[0], index), *rest[1:]) if rest else ()
-            return grad_fn(params, micro, *extra)
+            return grad_fn(params, model_state, micro, *extra)
 
-        shapes = jax.eval_shape(one, jnp.zeros((), jnp.int32), jax.tree.map(lambda x: x[0], parts))
+        def summed(index: jax.Array, micro: Any) -> tuple[tuple, Any]:
+            """What is summed over the micro-batches, and the new model state."""
+            (loss, aux, new_state), grads = one(index, micro)
+            return ((loss, aux), grads), new_state
+
+        first = jax.tree.map(lambda x: x[0], parts)
+        shapes = jax.eval_shape(summed, jnp.zeros((), jnp.int32), first)[0]
         # Inside shard_map the sums are per device; a zero typed like the batch makes the
         # starting zeros per device too (zeros alone would be replicated).
         anchor = jnp.sum(jnp.zeros_like(jax.tree.leaves(parts)[0], dtype=jnp.float32))
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype) + anchor.astype(s.dtype), shapes)
 
-        def body(total: Any, indexed: tuple[jax.Array, Any]) -> tuple[Any, None]:
-            return jax.tree.map(jnp.add, total, one(*indexed)), None
+        def body(total: Any, indexed: tuple[jax.Array, Any]) -> tuple[Any, Any]:
+            add, new_state = summed(*indexed)
+            return jax.tree.map(jnp.add, total, add), new_state
 
-        (loss, aux), grads = jax.lax.scan(body, zeros, (jnp.arange(k_steps), parts))[0]
+        ((loss, aux), grads), states = jax.lax.scan(body, zeros, (jnp.arange(k_steps), parts))
         mean = lambda tree: jax.tree.map(lambda x: x / k_steps, tree)  # noqa: E731
-        return (loss / k_steps, mean(aux)), mean(grads) if avg else grads
+        # The model states come out stacked (as scan outputs, each typed as the loss made it).
+        model_state = jax.tree.map(
+            lambda x: x.mean(0).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x[-1],
+            states,
+        )
+        return (loss / k_steps, mean(aux), model_state), mean(grads) if avg else grads
 
     return merged

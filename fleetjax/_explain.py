@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -21,8 +21,8 @@ class CollectiveUse:
 
     op: str
     dtype: str
-    count: int
-    bytes: int  # their results' bytes on each device, added up
+    count: int  # how many times one step runs them (a loop's body once per trip)
+    bytes: int  # their results' bytes on each device, added up over those runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +39,7 @@ class Explanation:
       arguments: all argument bytes (`memory_analysis().argument_size_in_bytes`).
       outputs: all output bytes.
       host_arguments: argument bytes in pinned host memory (an offloaded optimizer state).
-      collectives: by kind and dtype.
+      collectives: by kind and dtype, each counted as often as one step runs it.
     """
 
     params: int
@@ -72,6 +72,33 @@ class Explanation:
         return "\n".join(lines)
 
 
+class _Uses(dict[tuple[str, str], tuple[int, int]]):
+    """(collective, dtype) -> (times run, result bytes on each device), over some instructions."""
+
+    @classmethod
+    def of_line(cls, line: str, shapes: Mapping[str, tuple[int, ...]]) -> _Uses:
+        uses = cls()
+        for c in _hlo.collectives(line):
+            for dtype, dims in c.arrays:
+                uses += cls({(c.op, dtype): (1, _hlo._itemsize(dtype) * math.prod(dims))})
+        return uses
+
+    def __add__(self, other: _Uses) -> _Uses:  # type: ignore[override]
+        total = _Uses(self)
+        for key, (count, size) in other.items():
+            before = total.get(key, (0, 0))
+            total[key] = (before[0] + count, before[1] + size)
+        return total
+
+    def times(self, n: int) -> _Uses:
+        return _Uses({key: (n * count, n * size) for key, (count, size) in self.items()})
+
+    @staticmethod
+    def largest(branches: list[_Uses]) -> _Uses:
+        """Of a conditional's branches, the one that moves the most bytes."""
+        return max(branches, key=lambda uses: sum(size for _, size in uses.values()))
+
+
 def _device_bytes(abstract: Any, shardings: Any) -> int:
     """Bytes one device holds of `abstract` (ShapeDtypeStructs) placed with `shardings`."""
 
@@ -85,7 +112,9 @@ def explain(step: TrainStep, batch: Any, state: Any = None, *, show: bool = True
     """Compile `step` for `batch` (nothing runs) and report what each device holds and sends.
 
     `state` defaults to the one `step.init` made (its shapes). Prints the report unless
-    `show=False`; returns it either way.
+    `show=False`; returns it either way. Collectives are counted as often as one step runs
+    them: those in a compiled loop (a pipeline's ticks, `num_iteration_per_run` steps) once per
+    trip, and of a conditional's branches the one that moves the most bytes.
     """
     state = state if state is not None else step.abstract_state
     if state is None:
@@ -100,12 +129,7 @@ def explain(step: TrainStep, batch: Any, state: Any = None, *, show: bool = True
             grads //= step._replicas
     else:
         grads = _device_bytes(abstract.params, step._grad_sharding)
-    uses: dict[tuple[str, str], list[int]] = collections.defaultdict(lambda: [0, 0])
-    for c in _hlo.collectives(compiled.as_text()):
-        for dtype, dims in c.arrays:
-            use = uses[c.op, dtype]
-            use[0] += 1
-            use[1] += _hlo._itemsize(dtype) * math.prod(dims)
+    uses = _hlo.per_call(compiled.as_text(), _Uses.of_line, _Uses(), _Uses.largest)
     report = Explanation(
         params=_device_bytes(abstract.params, placements.params),
         grads=grads,

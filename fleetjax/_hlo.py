@@ -1,10 +1,14 @@
-"""Reading what XLA compiled: the collectives in `compiled.as_text()` and the bytes they move."""
+"""Reading what XLA compiled: the collectives in `compiled.as_text()`, the bytes they move, and
+how often one call of the module runs each instruction."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
+from collections.abc import Callable, Mapping
+from typing import Protocol, Self, TypeVar
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _OP = re.compile(r"=\s*(?P<shape>.+?)\s+(?P<op>" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
@@ -89,3 +93,93 @@ def collectives(hlo_text: str) -> list[Collective]:
                 )
             )
     return found
+
+
+# -- one call of a module: every instruction, loops and branches accounted for ---------------
+
+HEADER = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[^\s(]+)\s*\(")
+ASSIGN = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[^\s=]+)\s*=\s*\(?(?P<shape>[a-z]\w*\[[\d,]*\])")
+SHAPE = re.compile(r"[a-z]\w*\[(?P<dims>[\d,]*)\]")
+NAME = re.compile(r"%([\w.\-]+)")
+_PARAM = re.compile(r"(?P<name>[\w.\-]+):\s*(?P<shape>[a-z]\w*\[[\d,]*\])")
+_CALLS = re.compile(r"\b(?:calls|to_apply|called_computations)=(\{[^}]*\}|%[\w.\-]+)")
+_BRANCHES = re.compile(
+    r"\b(?:branch_computations=\{([^}]*)\}|true_computation=%([\w.\-]+), "
+    r"false_computation=%([\w.\-]+))"
+)
+_BODY = re.compile(r"\bbody=%([\w.\-]+)")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def dims(shape: str) -> tuple[int, ...]:
+    """The dimensions of an array shape's text, e.g. (32, 16) for "f32[32,16]{1,0}"."""
+    return tuple(int(d) for d in SHAPE.match(shape)["dims"].split(",") if d)
+
+
+class Amount(Protocol):
+    """What `per_call` adds up: a sum that can be scaled by a loop's trip count."""
+
+    def __add__(self, other: Self, /) -> Self: ...
+
+    def times(self, n: int) -> Self: ...
+
+
+_A = TypeVar("_A", bound=Amount)
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+    """Each computation's lines (its header first) and the entry computation's name."""
+    found: dict[str, list[str]] = {}
+    entry, current = "", None
+    for line in hlo_text.splitlines():
+        if current is None:
+            if header := HEADER.match(line):
+                current = header["name"]
+                found[current] = [line]
+                entry = current if line.startswith("ENTRY") else entry
+        elif line.startswith("}"):
+            current = None
+        else:
+            found[current].append(line)
+    return found, entry
+
+
+def per_call(
+    hlo_text: str,
+    measure: Callable[[str, Mapping[str, tuple[int, ...]]], _A],
+    zero: _A,
+    choose: Callable[[list[_A]], _A],
+) -> _A:
+    """The sum of `measure(line, shapes)` over the instructions one call of a module runs.
+
+    `shapes` maps the names defined so far in the line's computation to their dimensions. A
+    while loop's body counts its known trip count (XLA's ``known_trip_count``; once when XLA
+    does not know it), a conditional the branch that `choose` picks from the branches'
+    amounts, and a fusion or call its computation once per call.
+    """
+    computations, entry = _computations(hlo_text)
+
+    @functools.cache
+    def amount(name: str) -> _A:
+        lines = computations.get(name)
+        if lines is None:
+            return zero
+        shapes = {m["name"]: dims(m["shape"]) for m in _PARAM.finditer(lines[0])}
+        total = zero
+        for line in lines[1:]:
+            if assigned := ASSIGN.match(line):
+                shapes[assigned["name"]] = dims(assigned["shape"])
+            total += measure(line, shapes)
+            if body := _BODY.search(line):
+                trips = _TRIPS.search(line)
+                total += amount(body.group(1)).times(int(trips.group(1)) if trips else 1)
+            elif branches := _BRANCHES.search(line):
+                names = NAME.findall(branches.group(1) or "") or list(branches.group(2, 3))
+                total += choose([amount(b) for b in names])
+            else:
+                for group in _CALLS.findall(line):
+                    for callee in NAME.findall(group):
+                        total += amount(callee)
+        return total
+
+    return amount(entry)

@@ -237,45 +237,29 @@ class HloCost(NamedTuple):
         return compute, self.collectives * device.latency + self.wire_bytes / device.link_bandwidth
 
 
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[^\s(]+)\s*\(")
-_ASSIGN = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[^\s=]+)\s*=\s*\(?(?P<shape>[a-z]\w*\[[\d,]*\])")
-_PARAM = re.compile(r"(?P<name>[\w.\-]+):\s*(?P<shape>[a-z]\w*\[[\d,]*\])")
-_SHAPE = re.compile(r"[a-z]\w*\[(?P<dims>[\d,]*)\]")
 _MATMUL = re.compile(r"\s(?P<op>dot|convolution|custom-call)\((?P<operands>[^)]*)\)")
-_CALLS = re.compile(r"\b(?:calls|to_apply|called_computations)=(\{[^}]*\}|%[\w.\-]+)")
-_BRANCHES = re.compile(
-    r"\b(?:branch_computations=\{([^}]*)\}|true_computation=%([\w.\-]+), "
-    r"false_computation=%([\w.\-]+))"
-)
-_BODY = re.compile(r"\bbody=%([\w.\-]+)")
-_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_NAME = re.compile(r"%([\w.\-]+)")
 _DOT_DIMS = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _GEMM_DIMS = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 _CONV_LABELS = re.compile(r"dim_labels=\w+_(\w+)->\w+")
 
 
-def _dims(shape: str) -> tuple[int, ...]:
-    return tuple(int(d) for d in _SHAPE.match(shape)["dims"].split(",") if d)
-
-
 def _operand_dims(operand: str, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, ...] | None:
     """An operand's dims: printed inline (`f32[2,3]{1,0} %x`) or looked up by name."""
     operand = operand.strip()
-    if inline := _SHAPE.match(operand):
-        return _dims(inline.group(0))
-    name = _NAME.search(operand)
+    if inline := _hlo.SHAPE.match(operand):
+        return _hlo.dims(inline.group(0))
+    name = _hlo.NAME.search(operand)
     return shapes.get(name.group(1)) if name else None
 
 
 def _matmul_flops(line: str, shapes: Mapping[str, tuple[int, ...]]) -> float:
     """2 x multiply-adds of a dot, convolution or library matmul instruction (else 0)."""
-    match, result = _MATMUL.search(line), _ASSIGN.match(line)
+    match, result = _MATMUL.search(line), _hlo.ASSIGN.match(line)
     if match is None or result is None:
         return 0.0
     # Split before each operand (a name, or an inline shape, whose dims hold commas too).
     operands = re.split(r",\s*(?=[a-z]\w*\[|%)", match["operands"])
-    out = math.prod(_dims(result["shape"]))
+    out = math.prod(_hlo.dims(result["shape"]))
     if match["op"] == "convolution":
         labels, kernel = _CONV_LABELS.search(line), _operand_dims(operands[1], shapes)
         if labels is None or kernel is None:
@@ -301,23 +285,6 @@ def _wire_bytes(c: _hlo.Collective, devices: int) -> float:
     return {"all-reduce": 2 * share, "reduce-scatter": group - 1.0}.get(c.op, share) * result
 
 
-def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
-    """Each computation's lines (its header first) and the entry computation's name."""
-    found: dict[str, list[str]] = {}
-    entry, current = "", None
-    for line in hlo_text.splitlines():
-        if current is None:
-            if header := _HEADER.match(line):
-                current = header["name"]
-                found[current] = [line]
-                entry = current if line.startswith("ENTRY") else entry
-        elif line.startswith("}"):
-            current = None
-        else:
-            found[current].append(line)
-    return found, entry
-
-
 def hlo_cost(hlo_text: str, device: DeviceSpec, devices: int) -> HloCost:
     """The `HloCost` of one call of a compiled module (`compiled.as_text()`).
 
@@ -326,36 +293,19 @@ def hlo_cost(hlo_text: str, device: DeviceSpec, devices: int) -> HloCost:
     model); fusions and calls count their computations once per call. `devices` is the
     group size assumed for a collective whose replica groups the text does not state.
     """
-    computations, entry = _computations(hlo_text)
 
-    @functools.cache
-    def cost(name: str) -> HloCost:
-        lines = computations.get(name)
-        if lines is None:
-            return HloCost()
-        shapes = {m["name"]: _dims(m["shape"]) for m in _PARAM.finditer(lines[0])}
-        total = HloCost()
-        for line in lines[1:]:
-            if assigned := _ASSIGN.match(line):
-                shapes[assigned["name"]] = _dims(assigned["shape"])
-            total += HloCost(matmul_flops=_matmul_flops(line, shapes))
-            for c in _hlo.collectives(line):
-                wire = _wire_bytes(c, devices)
-                launches = 1.0 if wire or c.op == "collective-permute" else 0.0
-                total += HloCost(0.0, float(c.result_bytes), wire, launches)
-            if body := _BODY.search(line):
-                trips = _TRIPS.search(line)
-                total += cost(body.group(1)).times(int(trips.group(1)) if trips else 1)
-            elif branches := _BRANCHES.search(line):
-                names = _NAME.findall(branches.group(1) or "") or list(branches.group(2, 3))
-                total += max((cost(b) for b in names), key=lambda c: sum(c.seconds(device)))
-            else:
-                for group in _CALLS.findall(line):
-                    for callee in _NAME.findall(group):
-                        total += cost(callee)
+    def measure(line: str, shapes: Mapping[str, tuple[int, ...]]) -> HloCost:
+        total = HloCost(matmul_flops=_matmul_flops(line, shapes))
+        for c in _hlo.collectives(line):
+            wire = _wire_bytes(c, devices)
+            launches = 1.0 if wire or c.op == "collective-permute" else 0.0
+            total += HloCost(0.0, float(c.result_bytes), wire, launches)
         return total
 
-    return cost(entry)
+    def costliest(branches: list[HloCost]) -> HloCost:
+        return max(branches, key=lambda c: sum(c.seconds(device)))
+
+    return _hlo.per_call(hlo_text, measure, HloCost(), costliest)
 
 
 # -- candidates ------------------------------------------------------------------------------

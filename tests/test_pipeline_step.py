@@ -167,3 +167,15 @@ class TestErrors:
         assert float(MODEL(params, batch)) == pytest.approx(
             float(head_loss(params.head, x, batch)), rel=1e-6
         )
+
+
+def test_explain_counts_the_permutes_of_every_tick():
+    """Activations go down and cotangents up once per tick, inside the compiled loop."""
+    step, state, _ = train(pipelined("1F1B", pp=4, accumulate_steps=4), steps=1)
+    report = fleetjax.explain(step, make(1)[1], state, show=False)
+    permutes = [c for c in report.collectives if c.op == "collective-permute"]
+    ticks = fleetjax.pipeline_schedule("1F1B", 4, 4).ticks
+    assert [(c.dtype, c.count) for c in permutes] == [("f32", 2 * ticks)]
+    # Each device sends its own replica's (dp=2 over 8 devices) [micro_batch_size, WIDTH].
+    activation_bytes = 2 * WIDTH * 4
+    assert permutes[0].bytes == 2 * ticks * activation_bytes

@@ -18,6 +18,7 @@ gradient and updating its own optimizer state, stored stacked on a leading repli
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -102,8 +103,8 @@ class TrainStep:
                     "pass fleetjax.PipelineLayer(embed, stage, head_loss) as the loss, with "
                     f"PipelineParams, not {type(loss_fn).__name__}"
                 )
-            if has_aux or has_rng or has_state:
-                raise ValueError("the pipeline takes no aux outputs, PRNG keys or model state yet")
+            if has_rng or has_state:
+                raise ValueError("the pipeline takes no PRNG keys or model state yet")
         self.loss_fn = loss_fn
         self.param_specs = param_specs
         self.strategy = strategy
@@ -274,7 +275,7 @@ class TrainStep:
         if scale is not None:
             # The loss scale rides with the head's parameters (its gradient is dropped): a
             # value closed over by the pipeline's shard_map could not be typed on Explicit axes.
-            head_loss = lambda p, x, b, f=head_loss: f(p[0], x, b) * p[1]  # noqa: E731
+            head_loss = functools.partial(_scaled_head, head_loss, self.has_aux)
         value_and_grad = pipeline(
             embed,
             stage,
@@ -284,14 +285,17 @@ class TrainStep:
             accumulate_steps=config.accumulate_steps,
             schedule_mode=config.schedule_mode,
             vpp_degree=self._vpp_degree(),
+            has_aux=self.has_aux,
         )
 
         def grad_fn(params: Any, model_state: None, batch: Any) -> tuple[tuple, Any]:
+            if scale is not None:
+                params = params._replace(head=(params.head, scale))
+            out, grads = value_and_grad(params, batch)
+            loss, aux = out if self.has_aux else (out, {})
             if scale is None:
-                loss, grads = value_and_grad(params, batch)
-                return (loss, {}, None), grads
-            loss, grads = value_and_grad(params._replace(head=(params.head, scale)), batch)
-            return (loss / scale, {}, None), grads._replace(head=grads.head[0])
+                return (loss, aux, None), grads
+            return (loss / scale, aux, None), grads._replace(head=grads.head[0])
 
         return grad_fn
 
@@ -640,6 +644,15 @@ class TrainStep:
         return jax.tree_util.tree_map_with_path(check, batch)
 
 
+def _scaled_head(
+    head_loss: Callable[..., Any], has_aux: bool, head: tuple[Any, jax.Array], x: Any, batch: Any
+) -> Any:
+    """`head_loss` on `head` = (its parameters, the loss scale), its loss times the scale."""
+    params, scale = head
+    out = head_loss(params, x, batch)
+    return (out[0] * scale, out[1]) if has_aux else out * scale
+
+
 def _is_spec(x: Any) -> bool:
     return isinstance(x, PartitionSpec)
 
@@ -700,7 +713,8 @@ def make_train_step(
       strategy: a `DistributedStrategy` or `Strategy`; default the optimizer's, else plain
         data parallel.
       mesh: default the optimizer's, else built from the strategy over all devices.
-      has_aux: whether `loss_fn` returns `(loss, aux_dict)`.
+      has_aux: whether `loss_fn` returns `(loss, aux_dict)` (a `PipelineLayer`: whether its
+        `head_loss` does; under a pipeline the metrics are averaged over the micro-batches).
       has_rng: whether `loss_fn` takes a third argument, a fresh PRNG key each step (for
         dropout and the like), derived from `state.rng` and `state.step`.
       param_specs: a pytree of `PartitionSpec`s like the parameters, over the mesh's `mp`

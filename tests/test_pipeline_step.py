@@ -120,6 +120,35 @@ def test_float16_loss_scaling_through_the_head():
     assert float(state.loss_scale.loss_scale) == 32768.0
 
 
+def head_loss_and_metrics(p, h, batch):
+    error = h @ p["w"] - batch["y"]
+    return jnp.mean(error**2), {"mae": jnp.mean(jnp.abs(error)), "rows": jnp.float32(len(error))}
+
+
+@pytest.mark.parametrize(
+    "schedule, extra",
+    [("1F1B", {}), ("FThenB", {"amp": True}), ("VPP", {})],
+)
+def test_aux_metrics_are_the_unpipelined_ones(schedule, extra):
+    """Metrics of `head_loss` come back averaged over micro-batches and replicas, unscaled."""
+    vpp = 2 if schedule == "VPP" else 1
+    model = PipelineLayer(embed, stage, head_loss_and_metrics, num_virtual_pipeline_stages=vpp)
+    strategy = pipelined(schedule, **extra)
+    found = []
+    for s in (strategy, fleetjax.DistributedStrategy(**extra)):
+        step = fleetjax.make_train_step(model, optax.sgd(0.1), s, has_aux=True)
+        state = step.init(make()[0])
+        state, metrics = step(state, make(1)[1])
+        found.append({k: float(v) for k, v in metrics.items() if k in ("loss", "mae", "rows")})
+    pipelined_metrics, plain = found
+    assert pipelined_metrics.keys() == plain.keys() == {"loss", "mae", "rows"}
+    rtol = 1e-2 if extra else 1e-5  # float16 AMP
+    for name in ("loss", "mae"):
+        assert pipelined_metrics[name] == pytest.approx(plain[name], rel=rtol), name
+    # A micro-batch has 2 of a replica's 8 rows; the unpipelined loss sees all 16.
+    assert (pipelined_metrics["rows"], plain["rows"]) == (2.0, 16.0)
+
+
 def test_auto_parallel_strategy():
     s = fleetjax.Strategy(
         {"pipeline": {"enable": True, "pp_degree": 2, "micro_batch_size": 4, "accumulate_steps": 2}}
@@ -154,9 +183,9 @@ class TestErrors:
         with pytest.raises(ValueError, match="does not combine with gradient merge in one call"):
             fleetjax.make_train_step(MODEL, optax.sgd(0.1), s)
 
-    @pytest.mark.parametrize("option", ["has_aux", "has_rng", "has_state"])
-    def test_no_aux_rng_or_model_state(self, option):
-        with pytest.raises(ValueError, match="no aux outputs, PRNG keys or model state yet"):
+    @pytest.mark.parametrize("option", ["has_rng", "has_state"])
+    def test_no_rng_or_model_state(self, option):
+        with pytest.raises(ValueError, match="no PRNG keys or model state yet"):
             fleetjax.make_train_step(MODEL, optax.sgd(0.1), pipelined(), **{option: True})
 
     def test_the_model_alone_is_the_unpipelined_loss(self):

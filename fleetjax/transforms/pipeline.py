@@ -132,7 +132,8 @@ def pipeline(
     accumulate_steps: int,
     schedule_mode: str = "1F1B",
     vpp_degree: int = 1,
-) -> Callable[[PipelineParams, Any], tuple[jax.Array, PipelineParams]]:
+    has_aux: bool = False,
+) -> Callable[[PipelineParams, Any], tuple[Any, PipelineParams]]:
     """The loss and gradients of a layered model, pipelined over the mesh axis ``pp``.
 
     Paddle's `pipeline` with `pipeline_configs` (`micro_batch_size`, `accumulate_steps`,
@@ -143,20 +144,23 @@ def pipeline(
         the first stage; it runs again in that stage's backward (its residuals are not kept).
       stage: ``stage(layer_params, activations) -> activations`` for one layer, with the same
         shapes and dtypes out as in; wrap it in `jax.checkpoint` to recompute inside stages.
-      head_loss: ``head_loss(params.head, activations, micro_batch) -> scalar``, run by the last
-        stage.
+      head_loss: ``head_loss(params.head, activations, micro_batch) -> scalar`` (or, with
+        `has_aux`, ``-> (scalar, aux)``), run by the last stage.
       mesh: a mesh with a ``pp`` axis; the others (``dp``, ``sharding``, ``mp``) are left to
         the compiler, and the batch is split over ``dp`` x ``sharding``.
       micro_batch_size: rows in a micro-batch of one data-parallel replica.
       accumulate_steps: micro-batches per step, m.
       schedule_mode: "1F1B" (default), "FThenB" (or "F-then-B"), or "VPP".
       vpp_degree: model chunks per stage for "VPP" (at least 2; then m >= pp_degree).
+      has_aux: whether `head_loss` also returns a pytree of metrics (accuracy, ...): they come
+        back in float32, averaged over the micro-batches and replicas as the loss is.
 
     Returns:
       ``value_and_grad(params, batch) -> (loss, grads)`` for a `PipelineParams` and a batch
       whose leaves have ``micro_batch_size * accumulate_steps`` rows per data-parallel replica:
       the loss is the mean of the micro-batch losses (over all replicas), and the gradients are
-      exactly its gradients, in a `PipelineParams` with the layers' split over ``pp``.
+      exactly its gradients, in a `PipelineParams` with the layers' split over ``pp``. With
+      `has_aux`, ``((loss, aux), grads)``.
 
     Raises:
       ValueError: for a mesh without ``pp``, an unknown schedule, or counts Paddle does not
@@ -170,6 +174,8 @@ def pipeline(
         raise ValueError(f"micro_batch_size must be a positive int, got {size!r}")
     schedule = pipeline_schedule(schedule_mode, mesh.shape[AXIS], accumulate_steps, vpp_degree)
     plan = _plan(schedule)
+    if not has_aux:
+        head_loss = lambda p, x, b, f=head_loss: (f(p, x, b), {})  # noqa: E731
     model = _Model(embed, stage, head_loss)
     replicas = data_parallel_size(mesh)
     by_replica = NamedSharding(mesh, PartitionSpec(None, data_axes(mesh) or None))
@@ -200,7 +206,7 @@ def pipeline(
 
         return constrain(jax.tree.map(cut, batch), by_replica)
 
-    def value_and_grad(params: PipelineParams, batch: Any) -> tuple[jax.Array, PipelineParams]:
+    def value_and_grad(params: PipelineParams, batch: Any) -> tuple[Any, PipelineParams]:
         if not isinstance(params, PipelineParams):
             raise TypeError(
                 "params must be a fleetjax PipelineParams(embed, layers, head), "
@@ -222,7 +228,7 @@ def pipeline(
                 return run(params, batch)
         return run(params, batch)
 
-    def pipelined(params: PipelineParams, batch: Any) -> tuple[jax.Array, PipelineParams]:
+    def pipelined(params: PipelineParams, batch: Any) -> tuple[Any, PipelineParams]:
         micro = split(batch)
         shapes = _shapes(model, schedule, params, micro)
         run = _program(model, schedule, plan, mesh, shapes)
@@ -233,18 +239,18 @@ def pipeline(
         # Sum over the data-parallel replicas (each scaled by 1 / replicas already) and, for
         # the loss and the embed and head gradients, over the stages that made them.
         g_layers = jax.tree.map(lambda g: g.sum(0), g_layers)
-        loss, g_embed, g_head = jax.tree.map(lambda x: x.sum((0, 1)), by_stage)
-        return loss, PipelineParams(g_embed, g_layers, g_head)
+        loss, aux, g_embed, g_head = jax.tree.map(lambda x: x.sum((0, 1)), by_stage)
+        return ((loss, aux) if has_aux else loss), PipelineParams(g_embed, g_layers, g_head)
 
     return value_and_grad
 
 
 class _Model(NamedTuple):
-    """The user's model functions."""
+    """The user's model functions; `head_loss` returns ``(loss, aux)``."""
 
     embed: Callable[[Any, Any], Any]
     stage: Callable[[Any, Any], Any]
-    head_loss: Callable[[Any, Any, Any], jax.Array]
+    head_loss: Callable[[Any, Any, Any], tuple[jax.Array, Any]]
 
     def chunk(self, chunk_params: Any, x: Any) -> Any:
         """A chunk's consecutive layers (parameters stacked on the leading axis)."""
@@ -388,10 +394,11 @@ class _ChunkVjp:
 
 
 class _Shapes(NamedTuple):
-    """The shapes of one replica's activations and of one chunk's parameters."""
+    """The shapes of one replica's activations, of one chunk's parameters and of the metrics."""
 
     activations: Any  # ShapeDtypeStructs of embed's output (and every stage's)
     chunk: Any  # ShapeDtypeStructs of one chunk's parameters
+    aux: Any  # ShapeDtypeStructs of head_loss's metrics, in float32
 
 
 def _shapes(
@@ -415,7 +422,9 @@ def _shapes(
         for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(activations), strict=True)
     ):
         raise ValueError(f"stage must return activations like its input {activations}, got {out}")
-    return _Shapes(activations, chunk)
+    _, aux = jax.eval_shape(model.head_loss, params.head, activations, one)
+    aux = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), aux)
+    return _Shapes(activations, chunk, aux)
 
 
 def _program(
@@ -426,8 +435,8 @@ def _program(
     The model runs under a `vmap` over the data-parallel replicas (the micro-batches are [m,
     replicas, micro_batch_size, ...]), so that each replica accumulates its own gradients and
     they are reduced over the data axes once, after the pipeline. Returns the layers' gradients
-    [replicas, layers, ...] and, per stage, [1, replicas, ...] of the loss and of the embed and
-    head gradients.
+    [replicas, layers, ...] and, per stage, [1, replicas, ...] of the loss, the metrics and the
+    embed and head gradients.
     """
     stages, chunks = schedule.stages, schedule.virtual_stages
     last = stages * chunks - 1
@@ -454,7 +463,7 @@ def _program(
         s = lax.axis_index(AXIS)
         # Varying from the start: a gradient for a value invariant over pp would be summed
         # over pp inside the cond branches.
-        embed_params, head_params = _varying((embed_params, head_params))
+        embed_params, head_params, nil = _varying((embed_params, head_params, jnp.float32(0)))
         layers = jax.tree.map(lambda x: x.reshape(chunks, -1, *x.shape[1:]), layers)
 
         def chunk_params(chunk: jax.Array | int) -> Any:
@@ -463,7 +472,7 @@ def _program(
         chunk_vjp = _ChunkVjp(model.chunk, chunk_params(0), zeros(activations))
 
         def tick(carry: tuple, rows: jax.Array) -> tuple[tuple, None]:
-            res, acts, cots, g_layers, g_embed, g_head, loss = carry
+            res, acts, cots, g_layers, g_embed, g_head, loss, metrics = carry
             row = rows[s]
             f_chunk, b_chunk = row[F_CHUNK], row[B_CHUNK]
             is_first = f_chunk * stages + s == 0
@@ -474,14 +483,20 @@ def _program(
                 y, residuals = chunk_vjp.forward(w, x)
 
                 def head() -> tuple:
-                    def loss_fn(h: Any, y: Any) -> jax.Array:
-                        return model.head_loss(h, y, batch).astype(jnp.float32) * scale
+                    def loss_fn(h: Any, y: Any) -> tuple[jax.Array, Any]:
+                        loss, aux = model.head_loss(h, y, batch)
+                        # + a varying zero: a metric that is a constant must be typed as
+                        # varying over pp too, as no_head's zeros are.
+                        aux = jax.tree.map(lambda a: a.astype(jnp.float32) * scale + nil, aux)
+                        return loss.astype(jnp.float32) * scale, aux
 
-                    value, (dh, dy) = jax.value_and_grad(loss_fn, (0, 1))(head_params, y)
-                    return value, dh, dy
+                    (value, aux), (dh, dy) = jax.value_and_grad(loss_fn, (0, 1), has_aux=True)(
+                        head_params, y
+                    )
+                    return value, aux, dh, dy
 
                 def no_head() -> tuple:
-                    return zeros((f32, head_params, activations))
+                    return zeros((f32, shapes.aux, head_params, activations))
 
                 return (residuals, y, *lax.cond(is_last, head, no_head))
 
@@ -491,11 +506,11 @@ def _program(
                 return put(res, row[F_RES], residuals), *out
 
             def no_forward(res: Any, x_in: Any, batch: Any) -> tuple:
-                made = (activations, f32, head_params, activations)
+                made = (activations, f32, shapes.aux, head_params, activations)
                 return res, *zeros(made, replicas)
 
             f_batch = _take(micro, jnp.maximum(row[F_MICRO], 0))
-            res, y, value, dh, dy = lax.cond(
+            res, y, value, aux, dh, dy = lax.cond(
                 row[F_MICRO] >= 0, forward, no_forward, res, _take(acts, row[F_ACT]), f_batch
             )
             cots = put(cots, row[F_DY], dy)
@@ -527,7 +542,9 @@ def _program(
             if to_next:
                 acts = put(acts, row[RECV_ACT], lax.ppermute(y, AXIS, to_next))
                 cots = put(cots, row[RECV_COT], lax.ppermute(dx, AXIS, to_prev))
-            return (res, acts, cots, g_layers, g_embed, g_head, loss + value), None
+            metrics = jax.tree.map(jnp.add, metrics, aux)
+            carry = (res, acts, cots, g_layers, g_embed, g_head, loss + value, metrics)
+            return carry, None
 
         carry = (
             buffer(chunk_vjp.shapes, plan.residual_slots),
@@ -537,11 +554,12 @@ def _program(
             zeros(embed_params, replicas),
             zeros(head_params, replicas),
             zeros(f32, replicas),
+            zeros(shapes.aux, replicas),
         )
         carry, _ = lax.scan(tick, carry, jnp.asarray(plan.table))
-        _, _, _, g_layers, g_embed, g_head, loss = carry
+        _, _, _, g_layers, g_embed, g_head, loss, metrics = carry
         g_layers = jax.tree.map(lambda g: g.reshape(replicas, -1, *g.shape[3:]), g_layers)
-        return g_layers, jax.tree.map(lambda x: x[None], (loss, g_embed, g_head))
+        return g_layers, jax.tree.map(lambda x: x[None], (loss, metrics, g_embed, g_head))
 
     return run
 

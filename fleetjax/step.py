@@ -103,8 +103,8 @@ class TrainStep:
                     "pass fleetjax.PipelineLayer(embed, stage, head_loss) as the loss, with "
                     f"PipelineParams, not {type(loss_fn).__name__}"
                 )
-            if has_rng or has_state:
-                raise ValueError("the pipeline takes no PRNG keys or model state yet")
+            if has_state:
+                raise ValueError("the pipeline takes no model state yet")
         self.loss_fn = loss_fn
         self.param_specs = param_specs
         self.strategy = strategy
@@ -286,12 +286,13 @@ class TrainStep:
             schedule_mode=config.schedule_mode,
             vpp_degree=self._vpp_degree(),
             has_aux=self.has_aux,
+            has_rng=self.has_rng,
         )
 
-        def grad_fn(params: Any, model_state: None, batch: Any) -> tuple[tuple, Any]:
+        def grad_fn(params: Any, model_state: None, batch: Any, *rng: Any) -> tuple[tuple, Any]:
             if scale is not None:
                 params = params._replace(head=(params.head, scale))
-            out, grads = value_and_grad(params, batch)
+            out, grads = value_and_grad(params, batch, *rng)
             loss, aux = out if self.has_aux else (out, {})
             if scale is None:
                 return (loss, aux, None), grads
@@ -645,11 +646,16 @@ class TrainStep:
 
 
 def _scaled_head(
-    head_loss: Callable[..., Any], has_aux: bool, head: tuple[Any, jax.Array], x: Any, batch: Any
+    head_loss: Callable[..., Any],
+    has_aux: bool,
+    head: tuple[Any, jax.Array],
+    x: Any,
+    batch: Any,
+    *rng: Any,
 ) -> Any:
     """`head_loss` on `head` = (its parameters, the loss scale), its loss times the scale."""
     params, scale = head
-    out = head_loss(params, x, batch)
+    out = head_loss(params, x, batch, *rng)
     return (out[0] * scale, out[1]) if has_aux else out * scale
 
 
@@ -716,7 +722,8 @@ def make_train_step(
       has_aux: whether `loss_fn` returns `(loss, aux_dict)` (a `PipelineLayer`: whether its
         `head_loss` does; under a pipeline the metrics are averaged over the micro-batches).
       has_rng: whether `loss_fn` takes a third argument, a fresh PRNG key each step (for
-        dropout and the like), derived from `state.rng` and `state.step`.
+        dropout and the like), derived from `state.rng` and `state.step` (a `PipelineLayer`:
+        whether its functions take a key last; see `fleetjax.transforms.pipeline.part_keys`).
       param_specs: a pytree of `PartitionSpec`s like the parameters, over the mesh's `mp`
         (and `pp`) axes: how parameters are split for tensor parallelism. Default: from the
         parameters' logical axis names (`fleetjax.layers.partition_specs`; plain arrays are

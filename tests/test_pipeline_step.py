@@ -9,7 +9,7 @@ import pytest
 
 import fleetjax
 from fleetjax import PipelineLayer, PipelineParams
-from fleetjax.transforms.pipeline import to_model_order
+from fleetjax.transforms.pipeline import part_keys, to_model_order
 
 LAYERS, WIDTH = 8, 32  # 8 x 32 x 32 layer weights: big enough for ZeRO to split
 
@@ -149,6 +149,77 @@ def test_aux_metrics_are_the_unpipelined_ones(schedule, extra):
     assert (pipelined_metrics["rows"], plain["rows"]) == (2.0, 16.0)
 
 
+def dropout(x, key, rate=0.5):
+    keep = jax.random.bernoulli(key, 1 - rate, x.shape)
+    return jnp.where(keep, x / (1 - rate), 0.0)
+
+
+def embed_dropout(p, batch, key):
+    return dropout(batch["x"] @ p["w"], key)
+
+
+def stage_dropout(p, h, key):
+    return h + dropout(jnp.tanh(h @ p["w"]), key)
+
+
+def head_dropout(p, h, batch, key):
+    return jnp.mean((dropout(h, key) @ p["w"] - batch["y"]) ** 2)
+
+
+def keyed_reference(params, batch, key, replicas, micro_batches):
+    """The loss and gradients of the dropout model as `part_keys` documents its keys: the mean
+    over replicas and micro-batches, each part of each with its own key."""
+
+    def loss_fn(params):
+        rows = jax.tree.leaves(batch)[0].shape[0] // (replicas * micro_batches)
+        losses = []
+        for r in range(replicas):
+            for i in range(micro_batches):
+                start = (r * micro_batches + i) * rows
+                micro = {k: v[start : start + rows] for k, v in batch.items()}
+                keys = part_keys(key, r, i, jnp.arange(LAYERS + 2))
+                h = embed_dropout(params.embed, micro, keys[0])
+                for layer in range(LAYERS):
+                    w = {"w": params.layers["w"][layer]}
+                    h = stage_dropout(w, h, keys[1 + layer])
+                losses.append(head_dropout(params.head, h, micro, keys[-1]))
+        return jnp.mean(jnp.stack(losses))
+
+    return jax.value_and_grad(loss_fn)(params)
+
+
+@pytest.mark.parametrize("schedule, vpp", [("1F1B", 1), ("FThenB", 1), ("VPP", 2), (None, 1)])
+def test_keys_reach_every_part_as_documented(schedule, vpp):
+    """With has_rng every embed, layer and head of every micro-batch and replica draws from its
+    own key; the backward recomputes embed with the same one. Without a pipeline the model is
+    one replica's one micro-batch."""
+    model = PipelineLayer(
+        embed_dropout, stage_dropout, head_dropout, num_virtual_pipeline_stages=vpp
+    )
+    strategy = pipelined(schedule) if schedule else fleetjax.DistributedStrategy()
+    step = fleetjax.make_train_step(model, optax.sgd(0.1), strategy, has_rng=True)
+    params, batch = make()
+    state = step.init(params, seed=3)
+    new_state, metrics = step(state, batch)
+    key = jax.random.fold_in(jax.random.PRNGKey(3), 0)  # the step's key at step 0
+    replicas, micro_batches = (2, 4) if schedule else (1, 1)
+    loss, grads = keyed_reference(params, batch, key, replicas, micro_batches)
+    assert float(metrics["loss"]) == pytest.approx(float(loss), rel=1e-5)
+    layers = jax.device_get(new_state.params.layers)
+    if vpp > 1:
+        layers = to_model_order(layers, 4, vpp)
+    expected = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    chex.assert_trees_all_close(
+        (jax.device_get(new_state.params.embed), layers, jax.device_get(new_state.params.head)),
+        (expected.embed, expected.layers, expected.head),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    # A different key draws different masks.
+    _, other = step(step.init(params, seed=4), batch)
+    assert float(other["loss"]) != pytest.approx(float(metrics["loss"]), rel=1e-3)
+
+
 def test_auto_parallel_strategy():
     s = fleetjax.Strategy(
         {"pipeline": {"enable": True, "pp_degree": 2, "micro_batch_size": 4, "accumulate_steps": 2}}
@@ -183,10 +254,9 @@ class TestErrors:
         with pytest.raises(ValueError, match="does not combine with gradient merge in one call"):
             fleetjax.make_train_step(MODEL, optax.sgd(0.1), s)
 
-    @pytest.mark.parametrize("option", ["has_rng", "has_state"])
-    def test_no_rng_or_model_state(self, option):
-        with pytest.raises(ValueError, match="no PRNG keys or model state yet"):
-            fleetjax.make_train_step(MODEL, optax.sgd(0.1), pipelined(), **{option: True})
+    def test_no_model_state(self):
+        with pytest.raises(ValueError, match="no model state yet"):
+            fleetjax.make_train_step(MODEL, optax.sgd(0.1), pipelined(), has_state=True)
 
     def test_the_model_alone_is_the_unpipelined_loss(self):
         params, batch = make()

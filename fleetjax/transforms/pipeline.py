@@ -41,6 +41,7 @@ __all__ = [
     "PipelineLayer",
     "PipelineParams",
     "PipelineSchedule",
+    "part_keys",
     "pipeline",
     "pipeline_schedule",
     "to_model_order",
@@ -74,6 +75,8 @@ class PipelineLayer:
     Called as a loss, ``model(params, batch)``, it runs the whole batch through the model on
     its own, so the same model trains with or without a pipeline: `make_train_step` pipelines
     it when the strategy asks for a pipeline (see `pipeline` for the functions' contracts).
+    ``model(params, batch, key)`` gives each function its PRNG key as its last argument, as a
+    pipeline of one replica and one micro-batch would (`part_keys`).
 
     Attributes:
       num_virtual_pipeline_stages: model chunks per pipeline stage, for the "VPP" schedule
@@ -85,10 +88,34 @@ class PipelineLayer:
     head_loss: Callable[[Any, Any, Any], jax.Array]
     num_virtual_pipeline_stages: int = 1
 
-    def __call__(self, params: PipelineParams, batch: Any) -> jax.Array:
-        x = self.embed(params.embed, batch)
-        x = lax.scan(lambda h, layer: (self.stage(layer, h), None), x, params.layers)[0]
-        return self.head_loss(params.head, x, batch)
+    def __call__(self, params: PipelineParams, batch: Any, *key: jax.Array) -> Any:
+        def rng(part_key: jax.Array) -> tuple[jax.Array, ...]:
+            return (part_key,) if key else ()
+
+        num_layers = jax.tree.leaves(params.layers)[0].shape[0]
+        keys = part_keys(key[0] if key else _NO_KEY, 0, 0, jnp.arange(num_layers + 2))
+
+        def layer(h: Any, params_and_key: tuple[Any, jax.Array]) -> tuple[Any, None]:
+            return self.stage(params_and_key[0], h, *rng(params_and_key[1])), None
+
+        x = self.embed(params.embed, batch, *rng(keys[0]))
+        x = lax.scan(layer, x, (params.layers, keys[1:-1]))[0]
+        return self.head_loss(params.head, x, batch, *rng(keys[-1]))
+
+
+_NO_KEY = np.zeros(2, np.uint32)  # stands in for the key of a model that takes none
+
+
+def part_keys(key: jax.Array, replica: Any, micro_batch: Any, part: Any) -> jax.Array:
+    """The PRNG keys (raw key data) that a pipelined model's parts get with ``has_rng``.
+
+    ``fold_in(fold_in(fold_in(key, replica), micro_batch), part)``: `key` is the step's key,
+    `replica` the data-parallel replica, `micro_batch` the replica's micro-batch, and `part` 0
+    for ``embed``, ``1 + l`` for layer ``l`` (in model order) and ``L + 1`` for ``head_loss``.
+    The arguments broadcast: an array of parts gives an array of keys.
+    """
+    fold = jnp.vectorize(jax.random.fold_in, signature="(k),()->(k)")
+    return fold(fold(fold(key, replica), micro_batch), part)
 
 
 def to_pipeline_order(layers: Any, pp_degree: int, vpp_degree: int = 1) -> Any:
@@ -133,7 +160,8 @@ def pipeline(
     schedule_mode: str = "1F1B",
     vpp_degree: int = 1,
     has_aux: bool = False,
-) -> Callable[[PipelineParams, Any], tuple[Any, PipelineParams]]:
+    has_rng: bool = False,
+) -> Callable[..., tuple[Any, PipelineParams]]:
     """The loss and gradients of a layered model, pipelined over the mesh axis ``pp``.
 
     Paddle's `pipeline` with `pipeline_configs` (`micro_batch_size`, `accumulate_steps`,
@@ -154,9 +182,13 @@ def pipeline(
       vpp_degree: model chunks per stage for "VPP" (at least 2; then m >= pp_degree).
       has_aux: whether `head_loss` also returns a pytree of metrics (accuracy, ...): they come
         back in float32, averaged over the micro-batches and replicas as the loss is.
+      has_rng: whether `embed`, `stage` and `head_loss` take a PRNG key (raw key data) as
+        their last argument, for dropout and the like: each part of each micro-batch of each
+        replica gets its own, derived from the step's key by `part_keys`.
 
     Returns:
-      ``value_and_grad(params, batch) -> (loss, grads)`` for a `PipelineParams` and a batch
+      ``value_and_grad(params, batch[, key]) -> (loss, grads)`` for a `PipelineParams` and a
+      batch (and, with `has_rng`, the step's PRNG key)
       whose leaves have ``micro_batch_size * accumulate_steps`` rows per data-parallel replica:
       the loss is the mean of the micro-batch losses (over all replicas), and the gradients are
       exactly its gradients, in a `PipelineParams` with the layers' split over ``pp``. With
@@ -174,13 +206,25 @@ def pipeline(
         raise ValueError(f"micro_batch_size must be a positive int, got {size!r}")
     schedule = pipeline_schedule(schedule_mode, mesh.shape[AXIS], accumulate_steps, vpp_degree)
     plan = _plan(schedule)
+    # One program for every model: it gives each part a key, which a model without
+    # has_rng never sees, and takes metrics, which one without has_aux does not make.
+    if not has_rng:
+        embed = lambda p, b, k, f=embed: f(p, b)  # noqa: E731
+        stage = lambda p, h, k, f=stage: f(p, h)  # noqa: E731
+        head_loss = lambda p, x, b, k, f=head_loss: f(p, x, b)  # noqa: E731
     if not has_aux:
-        head_loss = lambda p, x, b, f=head_loss: (f(p, x, b), {})  # noqa: E731
+        head_loss = lambda p, x, b, k, f=head_loss: (f(p, x, b, k), {})  # noqa: E731
     model = _Model(embed, stage, head_loss)
     replicas = data_parallel_size(mesh)
     by_replica = NamedSharding(mesh, PartitionSpec(None, data_axes(mesh) or None))
     specs = dict(
-        in_specs=(PartitionSpec(), PartitionSpec(AXIS), PartitionSpec(), PartitionSpec()),
+        in_specs=(
+            PartitionSpec(),
+            PartitionSpec(AXIS),
+            PartitionSpec(),
+            PartitionSpec(),
+            PartitionSpec(),
+        ),
         out_specs=(PartitionSpec(None, AXIS), PartitionSpec(AXIS)),
     )
 
@@ -206,36 +250,44 @@ def pipeline(
 
         return constrain(jax.tree.map(cut, batch), by_replica)
 
-    def value_and_grad(params: PipelineParams, batch: Any) -> tuple[Any, PipelineParams]:
+    def value_and_grad(
+        params: PipelineParams, batch: Any, *key: jax.Array
+    ) -> tuple[Any, PipelineParams]:
         if not isinstance(params, PipelineParams):
             raise TypeError(
                 "params must be a fleetjax PipelineParams(embed, layers, head), "
                 f"got {type(params).__name__}"
             )
+        if len(key) != has_rng:
+            raise TypeError(
+                f"the pipeline was made with has_rng={has_rng}: call it as "
+                f"value_and_grad(params, batch{', key' if has_rng else ''})"
+            )
+        key = jnp.asarray(_NO_KEY) if not key else _raw(key[0])
         explicit = tuple(
             a
             for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
             if t == AxisType.Explicit
         )
         if not explicit:
-            return pipelined(params, batch)
+            return pipelined(params, batch, key)
         # On Explicit axes the pipeline runs on Auto ones (as jnp runs a sharded gather), its
         # buffers and branches then typed alike; the gradients come back placed as the params.
         out = (PartitionSpec(), jax.tree.map(lambda x: jax.typeof(x).sharding.spec, params))
         run = jax.sharding.auto_axes(pipelined, axes=explicit, out_sharding=out)
         if jax.sharding.get_abstract_mesh().empty:
             with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-                return run(params, batch)
-        return run(params, batch)
+                return run(params, batch, key)
+        return run(params, batch, key)
 
-    def pipelined(params: PipelineParams, batch: Any) -> tuple[Any, PipelineParams]:
+    def pipelined(params: PipelineParams, batch: Any, key: jax.Array) -> tuple[Any, PipelineParams]:
         micro = split(batch)
         shapes = _shapes(model, schedule, params, micro)
         run = _program(model, schedule, plan, mesh, shapes)
         context = jax.sharding.get_abstract_mesh()  # under auto_axes: this mesh, Auto typed
         on = mesh if context.empty else context
         sharded = jax.shard_map(run, mesh=on, axis_names={AXIS}, **specs)
-        g_layers, by_stage = sharded(params.embed, params.layers, params.head, micro)
+        g_layers, by_stage = sharded(params.embed, params.layers, params.head, micro, key)
         # Sum over the data-parallel replicas (each scaled by 1 / replicas already) and, for
         # the loss and the embed and head gradients, over the stages that made them.
         g_layers = jax.tree.map(lambda g: g.sum(0), g_layers)
@@ -246,15 +298,16 @@ def pipeline(
 
 
 class _Model(NamedTuple):
-    """The user's model functions; `head_loss` returns ``(loss, aux)``."""
+    """The user's model functions, each taking a key last; `head_loss` returns ``(loss, aux)``."""
 
-    embed: Callable[[Any, Any], Any]
-    stage: Callable[[Any, Any], Any]
-    head_loss: Callable[[Any, Any, Any], tuple[jax.Array, Any]]
+    embed: Callable[[Any, Any, jax.Array], Any]
+    stage: Callable[[Any, Any, jax.Array], Any]
+    head_loss: Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, Any]]
 
-    def chunk(self, chunk_params: Any, x: Any) -> Any:
-        """A chunk's consecutive layers (parameters stacked on the leading axis)."""
-        return lax.scan(lambda h, p: (self.stage(p, h), None), x, chunk_params)[0]
+    def chunk(self, chunk_params: Any, x: Any, keys: jax.Array) -> Any:
+        """A chunk's consecutive layers (parameters and keys stacked on the leading axis)."""
+        layers = (chunk_params, keys)
+        return lax.scan(lambda h, layer: (self.stage(layer[0], h, layer[1]), None), x, layers)[0]
 
 
 # Columns of the execution table [ticks, stages, COLUMNS]. The forward: its micro-batch (-1:
@@ -362,11 +415,14 @@ class _ChunkVjp:
     chunk's parameters themselves are not returned; `backward` takes them from the parameters.
     """
 
-    def __init__(self, chunk: Callable[[Any, Any], Any], params: Any, x: Any) -> None:
-        """Traces `chunk`'s forward for values like `params` and `x` (typed as in the ticks)."""
+    def __init__(
+        self, chunk: Callable[[Any, Any, jax.Array], Any], params: Any, x: Any, keys: jax.Array
+    ) -> None:
+        """Traces `chunk`'s forward for values like `params`, `x` and the layers' `keys` (typed
+        as in the ticks)."""
 
-        def forward(w: Any, x: Any) -> tuple[Any, list[jax.Array]]:
-            y, vjp_fn = jax.vjp(chunk, w, x)
+        def forward(w: Any, x: Any, keys: jax.Array) -> tuple[Any, list[jax.Array]]:
+            y, vjp_fn = jax.vjp(lambda w, x: chunk(w, x, keys), w, x)
             leaves, treedef = jax.tree.flatten(vjp_fn)
             w_leaves = jax.tree.leaves(w)
             # Per residual: the index of the parameter it is, or None.
@@ -374,14 +430,14 @@ class _ChunkVjp:
             self._vjp_def = (treedef, where)
             return y, [r for r, j in zip(leaves, where, strict=True) if j is None]
 
-        jaxpr, (y, residuals) = jax.make_jaxpr(forward, return_shape=True)(params, x)
+        jaxpr, (y, residuals) = jax.make_jaxpr(forward, return_shape=True)(params, x, keys)
         self._forward = jaxpr_as_fun(jaxpr)
         self._y_def = jax.tree.structure(y)
         self.shapes: list[jax.ShapeDtypeStruct] = residuals
 
-    def forward(self, w: Any, x: Any) -> tuple[Any, list[jax.Array]]:
+    def forward(self, w: Any, x: Any, keys: jax.Array) -> tuple[Any, list[jax.Array]]:
         """The chunk's output and its residuals."""
-        out = self._forward(*jax.tree.leaves((w, x)))
+        out = self._forward(*jax.tree.leaves((w, x, keys)))
         split = self._y_def.num_leaves
         return jax.tree.unflatten(self._y_def, out[:split]), list(out[split:])
 
@@ -414,15 +470,16 @@ def _shapes(
         lambda a: jax.ShapeDtypeStruct((size, *a.shape[1:]), a.dtype), params.layers
     )
     one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), micro)
-    activations = jax.eval_shape(model.embed, params.embed, one)
+    key = jax.ShapeDtypeStruct(_NO_KEY.shape, _NO_KEY.dtype)
+    activations = jax.eval_shape(model.embed, params.embed, one, key)
     layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), chunk)
-    out = jax.eval_shape(model.stage, layer, activations)
+    out = jax.eval_shape(model.stage, layer, activations, key)
     if jax.tree.structure(out) != jax.tree.structure(activations) or any(
         (a.shape, a.dtype) != (b.shape, b.dtype)
         for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(activations), strict=True)
     ):
         raise ValueError(f"stage must return activations like its input {activations}, got {out}")
-    _, aux = jax.eval_shape(model.head_loss, params.head, activations, one)
+    _, aux = jax.eval_shape(model.head_loss, params.head, activations, one, key)
     aux = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), aux)
     return _Shapes(activations, chunk, aux)
 
@@ -459,8 +516,14 @@ def _program(
     def put(buffers: Any, slot: jax.Array, values: Any) -> Any:
         return jax.tree.map(lambda b, v: b.at[slot].set(v), buffers, values)
 
-    def run(embed_params: Any, layers: Any, head_params: Any, micro: Any) -> tuple[Any, Any]:
+    size = jax.tree.leaves(shapes.chunk)[0].shape[0]  # layers per chunk
+    head_part = size * stages * chunks + 1
+
+    def run(
+        embed_params: Any, layers: Any, head_params: Any, micro: Any, key: jax.Array
+    ) -> tuple[Any, Any]:
         s = lax.axis_index(AXIS)
+        replica_ids = jnp.arange(replicas)
         # Varying from the start: a gradient for a value invariant over pp would be summed
         # over pp inside the cond branches.
         embed_params, head_params, nil = _varying((embed_params, head_params, jnp.float32(0)))
@@ -469,7 +532,8 @@ def _program(
         def chunk_params(chunk: jax.Array | int) -> Any:
             return _take(layers, chunk) if chunks > 1 else jax.tree.map(lambda x: x[0], layers)
 
-        chunk_vjp = _ChunkVjp(model.chunk, chunk_params(0), zeros(activations))
+        layer_keys = jnp.zeros((size, *key.shape), key.dtype)
+        chunk_vjp = _ChunkVjp(model.chunk, chunk_params(0), zeros(activations), layer_keys)
 
         def tick(carry: tuple, rows: jax.Array) -> tuple[tuple, None]:
             res, acts, cots, g_layers, g_embed, g_head, loss, metrics = carry
@@ -478,13 +542,21 @@ def _program(
             is_first = f_chunk * stages + s == 0
             is_last = f_chunk * stages + s == last
 
-            def forward_one(w: Any, x_in: Any, batch: Any) -> tuple:
-                x = lax.cond(is_first, lambda: model.embed(embed_params, batch), lambda: x_in)
-                y, residuals = chunk_vjp.forward(w, x)
+            def forward_one(w: Any, x_in: Any, batch: Any, replica: jax.Array) -> tuple:
+                # Parts: embed, head_loss, then this chunk's layers (in model order).
+                first_layer = (f_chunk * stages + s) * size
+                layers = 1 + first_layer + jnp.arange(size)
+                parts = jnp.concatenate([jnp.array([0, head_part]), layers])
+                keys = part_keys(key, replica, row[F_MICRO], parts)
+                embed_key, head_key = keys[0], keys[1]
+                x = lax.cond(
+                    is_first, lambda: model.embed(embed_params, batch, embed_key), lambda: x_in
+                )
+                y, residuals = chunk_vjp.forward(w, x, keys[2:])
 
                 def head() -> tuple:
                     def loss_fn(h: Any, y: Any) -> tuple[jax.Array, Any]:
-                        loss, aux = model.head_loss(h, y, batch)
+                        loss, aux = model.head_loss(h, y, batch, head_key)
                         # + a varying zero: a metric that is a constant must be typed as
                         # varying over pp too, as no_head's zeros are.
                         aux = jax.tree.map(lambda a: a.astype(jnp.float32) * scale + nil, aux)
@@ -502,7 +574,9 @@ def _program(
 
             def forward(res: Any, x_in: Any, batch: Any) -> tuple:
                 w = chunk_params(f_chunk)
-                residuals, *out = jax.vmap(forward_one, in_axes=(None, 0, 0))(w, x_in, batch)
+                residuals, *out = jax.vmap(forward_one, in_axes=(None, 0, 0, 0))(
+                    w, x_in, batch, replica_ids
+                )
                 return put(res, row[F_RES], residuals), *out
 
             def no_forward(res: Any, x_in: Any, batch: Any) -> tuple:
@@ -515,11 +589,15 @@ def _program(
             )
             cots = put(cots, row[F_DY], dy)
 
-            def backward_one(w: Any, residuals: list[jax.Array], dy: Any, batch: Any) -> tuple:
+            def backward_one(
+                w: Any, residuals: list[jax.Array], dy: Any, batch: Any, replica: jax.Array
+            ) -> tuple:
                 dw, dx = chunk_vjp.backward(w, residuals, dy)
 
                 def embed_grad() -> Any:
-                    return jax.vjp(lambda e: model.embed(e, batch), embed_params)[1](dx)[0]
+                    embed_key = part_keys(key, replica, row[B_MICRO], 0)
+                    embed = lambda e: model.embed(e, batch, embed_key)  # noqa: E731
+                    return jax.vjp(embed, embed_params)[1](dx)[0]
 
                 is_first = b_chunk * stages + s == 0
                 return dw, dx, lax.cond(is_first, embed_grad, lambda: zeros(embed_params))
@@ -527,7 +605,9 @@ def _program(
             def backward(res: Any, dy: Any, batch: Any) -> tuple:
                 w = chunk_params(b_chunk)
                 residuals = _take(res, row[B_RES])
-                return jax.vmap(backward_one, in_axes=(None, 0, 0, 0))(w, residuals, dy, batch)
+                return jax.vmap(backward_one, in_axes=(None, 0, 0, 0, 0))(
+                    w, residuals, dy, batch, replica_ids
+                )
 
             def no_backward(res: Any, dy: Any, batch: Any) -> tuple:
                 return zeros((shapes.chunk, activations, embed_params), replicas)
@@ -562,6 +642,13 @@ def _program(
         return g_layers, jax.tree.map(lambda x: x[None], (loss, metrics, g_embed, g_head))
 
     return run
+
+
+def _raw(key: jax.Array) -> jax.Array:
+    """A PRNG key as raw key data (uint32), which `shard_map` and `fold_in` take alike."""
+    return (
+        jax.random.key_data(key) if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+    )
 
 
 def _varying(tree: Any) -> Any:

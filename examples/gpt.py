@@ -12,6 +12,7 @@ by a `lax.scan` whose body is marked with `fleetjax.recompute`; the model is als
 
     gpt, params = make_gpt(GPTConfig(), seed=0)      # params: nested dicts of arrays
     loss = gpt.loss_fn(params, {"tokens": tokens})   # tokens: int32[B, T + 1]
+    loss = gpt.loss_fn(params, batch, key)           # with hidden_dropout_prob > 0
     specs = gpt.partition_specs(mesh=mesh)           # PartitionSpecs like params
     parts = gpt.pipeline_params(params)              # PipelineParams(embed, layers, head)
 """
@@ -38,7 +39,7 @@ from fleetjax.layers import (
     logical_param,
     partition_specs,
 )
-from fleetjax.transforms.pipeline import PipelineParams
+from fleetjax.transforms.pipeline import PipelineParams, part_keys
 
 Params = dict[str, Any]
 Batch = dict[str, jax.Array]
@@ -63,6 +64,9 @@ class GPTConfig:
       intermediate_size: the MLP's hidden width (split over mp).
       initializer_range: the std of the normal initial weights.
       layer_norm_epsilon: the LayerNorms' epsilon (Paddle's 1e-5).
+      hidden_dropout_prob: dropout of the embeddings and of each block's attention and MLP
+        outputs (Paddle GPT's, which defaults to 0.1; 0 here). Above 0 the model's functions
+        need a PRNG key: `make_train_step(..., has_rng=True)`.
     """
 
     vocab_size: int = 128
@@ -73,10 +77,17 @@ class GPTConfig:
     intermediate_size: int = 128
     initializer_range: float = 0.02
     layer_norm_epsilon: float = 1e-5
+    hidden_dropout_prob: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.hidden_dropout_prob < 1:
+            raise ValueError(
+                f"GPTConfig.hidden_dropout_prob must be in [0, 1), got {self.hidden_dropout_prob!r}"
+            )
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
+            if field.name == "hidden_dropout_prob":
+                continue
             if field.type == "int" and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"GPTConfig.{field.name} must be an int, got {value!r}")
             if value <= 0:
@@ -90,6 +101,19 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+
+def _dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    """Inverted dropout of `x` at `rate`, with the PRNG `key`."""
+    if rate == 0:
+        return x
+    if key is None:
+        raise ValueError(
+            f"hidden_dropout_prob={rate} needs a PRNG key: make the step with "
+            "make_train_step(..., has_rng=True) (or set hidden_dropout_prob=0)"
+        )
+    keep = jax.random.bernoulli(key, 1 - rate, x.shape)
+    return jnp.where(keep, x / (1 - rate), jnp.zeros_like(x))
 
 
 def _layer_norm(config: GPTConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
@@ -108,6 +132,7 @@ class Embed(nnx.Module):
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs) -> None:
         init = nnx.initializers.normal(config.initializer_range)
+        self.dropout = config.hidden_dropout_prob
         self.word_embeddings = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, weight_init=init, rngs=rngs
         )
@@ -119,7 +144,7 @@ class Embed(nnx.Module):
             jnp.float32,
         )
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, key: jax.Array | None = None) -> jax.Array:
         longest = self.position_embeddings.shape[0]
         if tokens.shape[-1] > longest:
             raise ValueError(
@@ -127,7 +152,8 @@ class Embed(nnx.Module):
                 f"max_position_embeddings={longest}"
             )
         positions = self.position_embeddings[: tokens.shape[-1]]
-        return constrain(self.word_embeddings(tokens) + positions, HIDDEN)
+        h = _dropout(self.word_embeddings(tokens) + positions, self.dropout, key)
+        return constrain(h, HIDDEN)
 
 
 class Attention(nnx.Module):
@@ -163,6 +189,7 @@ class Block(nnx.Module):
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs) -> None:
         init = nnx.initializers.normal(config.initializer_range)
+        self.dropout = config.hidden_dropout_prob
         self.ln_1 = _layer_norm(config, rngs)
         self.attn = Attention(config, rngs=rngs)
         self.ln_2 = _layer_norm(config, rngs)
@@ -182,9 +209,11 @@ class Block(nnx.Module):
             rngs=rngs,
         )
 
-    def __call__(self, h: jax.Array) -> jax.Array:
-        h = h + self.attn(self.ln_1(h))
-        h = h + self.fc_out(jax.nn.gelu(self.fc_in(self.ln_2(h)), approximate=False))
+    def __call__(self, h: jax.Array, key: jax.Array | None = None) -> jax.Array:
+        attn_key, mlp_key = (None, None) if key is None else jax.random.split(key)
+        h = h + _dropout(self.attn(self.ln_1(h)), self.dropout, attn_key)
+        mlp = self.fc_out(jax.nn.gelu(self.fc_in(self.ln_2(h)), approximate=False))
+        h = h + _dropout(mlp, self.dropout, mlp_key)
         return constrain(h, HIDDEN)
 
 
@@ -237,23 +266,35 @@ class GPTFunctions:
         self._head = nnx.graphdef(model.head)
         self._state = nnx.eval_shape(lambda: nnx.state(model))  # shapes and logical names
 
-    def loss_fn(self, params: Params, batch: Batch) -> jax.Array:
-        """The mean next-token loss of ``batch["tokens"]`` (int32 [B, T + 1])."""
+    def loss_fn(self, params: Params, batch: Batch, *key: jax.Array) -> jax.Array:
+        """The mean next-token loss of ``batch["tokens"]`` (int32 [B, T + 1]); with dropout,
+        `key` is the step's PRNG key, split among the parts as a pipeline of one micro-batch
+        splits it (`fleetjax.transforms.pipeline.part_keys`)."""
         layer = fleetjax.recompute(self.stage)  # recomputed under a recompute strategy
-        h = self.embed(params["embed"], batch)
-        h, _ = jax.lax.scan(lambda h, p: (layer(p, h), None), h, params["blocks"])
+        parts = jnp.arange(self.config.num_hidden_layers + 2)
+        keys = part_keys(key[0] if key else jnp.zeros(2, jnp.uint32), 0, 0, parts)
+
+        def block(h: jax.Array, params_and_key: tuple[Params, jax.Array]) -> tuple[jax.Array, None]:
+            layer_params, layer_key = params_and_key
+            return layer(layer_params, h, layer_key if key else None), None
+
+        h = self.embed(params["embed"], batch, keys[0] if key else None)
+        h, _ = jax.lax.scan(block, h, (params["blocks"], keys[1:-1]))
         return self.head_loss(params["head"], h, batch)
 
-    def embed(self, embed_params: Params, batch: Batch) -> jax.Array:
+    def embed(self, embed_params: Params, batch: Batch, key: jax.Array | None = None) -> jax.Array:
         """Tokens ``[:, :-1]`` to the residual stream [B, T, hidden_size]."""
-        return nnx.merge(self._embed, embed_params)(batch["tokens"][:, :-1])
+        return nnx.merge(self._embed, embed_params)(batch["tokens"][:, :-1], key)
 
-    def stage(self, layer_params: Params, h: jax.Array) -> jax.Array:
+    def stage(self, layer_params: Params, h: jax.Array, key: jax.Array | None = None) -> jax.Array:
         """One block (parameters of one layer: a slice of ``params["blocks"]``)."""
-        return nnx.merge(self._block, layer_params)(h)
+        return nnx.merge(self._block, layer_params)(h, key)
 
-    def head_loss(self, head_params: Params, h: jax.Array, batch: Batch) -> jax.Array:
-        """The mean loss of predicting tokens ``[:, 1:]`` from the residual stream."""
+    def head_loss(
+        self, head_params: Params, h: jax.Array, batch: Batch, key: jax.Array | None = None
+    ) -> jax.Array:
+        """The mean loss of predicting tokens ``[:, 1:]`` from the residual stream (`key` is
+        accepted for the pipeline's `has_rng` and unused: the head has no dropout)."""
         return nnx.merge(self._head, head_params)(h, batch["tokens"][:, 1:])
 
     @staticmethod

@@ -57,6 +57,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=64, help="the residual width")
     parser.add_argument("--heads", type=int, default=8, help="attention heads")
     parser.add_argument(
+        "--dropout",
+        type=float,
+        default=0.0,
+        help="hidden_dropout_prob: dropout of the embeddings and the blocks' outputs, with a "
+        "PRNG key per step (and, under a pipeline, per micro-batch and layer)",
+    )
+    parser.add_argument(
         "--corpus", default="argparse", help="a module whose source file is the training text"
     )
     parser.add_argument(
@@ -254,6 +261,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         num_attention_heads=args.heads,
         num_hidden_layers=args.layers,
         intermediate_size=4 * args.hidden,
+        hidden_dropout_prob=args.dropout,
     )
     model, params = make_gpt(config, seed=args.seed)
     specs = model.partition_specs()
@@ -274,7 +282,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     optimizer = fleet.distributed_optimizer(
         fleetjax.optimizers.adamw(args.learning_rate, weight_decay=0.01)
     )
-    step = fleetjax.make_train_step(loss_fn, optimizer, param_specs=specs)
+    step = fleetjax.make_train_step(loss_fn, optimizer, param_specs=specs, has_rng=args.dropout > 0)
     state = step.init(params)
 
     rows = per_replica * data_parallel_size(mesh)

@@ -76,6 +76,12 @@ def test_gpt_trains_dp2_pp2_mp2_from_its_strategy_file():
     assert all(m["tokens"] > 0 for m in metrics)
 
 
+def test_gpt_trains_with_dropout_under_the_pipeline():
+    summary, _, _ = run("train_gpt.py", "--steps", "20", "--dropout", "0.1", "--log-every", "10")
+    assert summary["rest"].endswith("mesh {'dp': 2, 'pp': 2, 'sharding': 1, 'mp': 2}")
+    assert summary["last"] < summary["first"] - 0.5
+
+
 @pytest.mark.slow
 def test_gpt_with_zero_amp_and_recompute():
     strategy = STRATEGIES / "gpt_zero_amp.prototxt"

@@ -1,6 +1,7 @@
 """The example GPT (examples/gpt.py): split over mp it gives one device's loss and gradients, and
 XLA compiles exactly Megatron's communication."""
 
+import dataclasses
 import pathlib
 import re
 import sys
@@ -16,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from fleetjax.mesh import build_mesh
 from fleetjax.transforms import recompute
-from fleetjax.transforms.pipeline import PipelineParams, pipeline
+from fleetjax.transforms.pipeline import PipelineLayer, PipelineParams, pipeline
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
 from gpt import GPTConfig, make_gpt
@@ -208,6 +209,24 @@ def test_embedding_and_cross_entropy_never_communicate_logits(gpt, batch):
         ("all-reduce", [scalar], 4),
     ]
     assert {shape for _, shapes, _ in backward for shape in shapes} <= {per_token, rows, scalar}
+
+
+def test_dropout_takes_the_keys_a_pipeline_would_give(batch):
+    """With hidden_dropout_prob the loss takes the step key and splits it among the parts as
+    `PipelineLayer` (a pipeline of one micro-batch) does; without a key it is an error."""
+    model, params = make_gpt(dataclasses.replace(CONFIG, hidden_dropout_prob=0.25), seed=0)
+    key = jax.random.fold_in(jax.random.PRNGKey(7), 0)
+    loss = jax.jit(model.loss_fn)(params, batch, key)
+    layer = PipelineLayer(model.embed, model.stage, model.head_loss)
+    cut = jax.jit(layer)(model.pipeline_params(params), batch, key)
+    np.testing.assert_allclose(cut, loss, rtol=1e-6)
+    other = jax.jit(model.loss_fn)(params, batch, jax.random.fold_in(key, 1))
+    undropped = jax.jit(make_gpt(CONFIG, seed=0)[0].loss_fn)(params, batch)
+    assert len({float(loss), float(other), float(undropped)}) == 3
+    with pytest.raises(ValueError, match=r"hidden_dropout_prob=0.25 needs a PRNG key: .*has_rng"):
+        model.loss_fn(params, batch)
+    with pytest.raises(ValueError, match=r"hidden_dropout_prob must be in \[0, 1\), got 1.0"):
+        GPTConfig(hidden_dropout_prob=1.0)
 
 
 def test_bad_config_and_batch(gpt):

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import AxisType
 
 import fleetjax
 from fleetjax import PipelineLayer, PipelineParams
@@ -188,8 +189,17 @@ def keyed_reference(params, batch, key, replicas, micro_batches):
     return jax.value_and_grad(loss_fn)(params)
 
 
-@pytest.mark.parametrize("schedule, vpp", [("1F1B", 1), ("FThenB", 1), ("VPP", 2), (None, 1)])
-def test_keys_reach_every_part_as_documented(schedule, vpp):
+@pytest.mark.parametrize(
+    "schedule, vpp, axes",
+    [
+        ("1F1B", 1, AxisType.Auto),
+        ("1F1B", 1, AxisType.Explicit),
+        ("FThenB", 1, AxisType.Auto),
+        ("VPP", 2, AxisType.Auto),
+        (None, 1, AxisType.Auto),
+    ],
+)
+def test_keys_reach_every_part_as_documented(schedule, vpp, axes):
     """With has_rng every embed, layer and head of every micro-batch and replica draws from its
     own key; the backward recomputes embed with the same one. Without a pipeline the model is
     one replica's one micro-batch."""
@@ -197,7 +207,9 @@ def test_keys_reach_every_part_as_documented(schedule, vpp):
         embed_dropout, stage_dropout, head_dropout, num_virtual_pipeline_stages=vpp
     )
     strategy = pipelined(schedule) if schedule else fleetjax.DistributedStrategy()
-    step = fleetjax.make_train_step(model, optax.sgd(0.1), strategy, has_rng=True)
+    degrees = {"dp": 2, "pp": 4} if schedule else {"dp": 8}
+    mesh = fleetjax.build_mesh(**degrees, axis_types=axes)
+    step = fleetjax.make_train_step(model, optax.sgd(0.1), strategy, mesh, has_rng=True)
     params, batch = make()
     state = step.init(params, seed=3)
     new_state, metrics = step(state, batch)

@@ -83,9 +83,9 @@ class PipelineLayer:
         (Paddle's argument of the same name; `Strategy.pipeline.vpp_degree` sets it too).
     """
 
-    embed: Callable[[Any, Any], Any]
-    stage: Callable[[Any, Any], Any]
-    head_loss: Callable[[Any, Any, Any], jax.Array]
+    embed: Callable[..., Any]
+    stage: Callable[..., Any]
+    head_loss: Callable[..., Any]
     num_virtual_pipeline_stages: int = 1
 
     def __call__(self, params: PipelineParams, batch: Any, *key: jax.Array) -> Any:
@@ -115,7 +115,7 @@ def part_keys(key: jax.Array, replica: Any, micro_batch: Any, part: Any) -> jax.
     The arguments broadcast: an array of parts gives an array of keys.
     """
     fold = jnp.vectorize(jax.random.fold_in, signature="(k),()->(k)")
-    return fold(fold(fold(key, replica), micro_batch), part)
+    return fold(fold(fold(_raw(key), replica), micro_batch), part)
 
 
 def to_pipeline_order(layers: Any, pp_degree: int, vpp_degree: int = 1) -> Any:

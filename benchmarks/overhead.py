@@ -26,7 +26,7 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)  # before any backend starts; only affects CPU
 
-import jax.numpy as jnp  # noqa: E402
+import _mlp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from _report import Result, bench_devices  # noqa: E402
@@ -60,24 +60,8 @@ CASES = (
 QUICK_CASES = (CASES[0], CASES[3])
 
 
-def loss_fn(params: dict[str, jax.Array], batch: dict[str, jax.Array]) -> jax.Array:
-    h = batch["x"]
-    for i in range(LAYERS):
-        h = jnp.tanh(h @ params[f"w{i}"] + params[f"b{i}"])
-    return jnp.mean((h - batch["y"]) ** 2)
-
-
-def inputs() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    rng = np.random.RandomState(0)
-    params = {}
-    for i in range(LAYERS):
-        params[f"w{i}"] = (rng.randn(WIDTH, WIDTH) / np.sqrt(WIDTH)).astype(np.float32)
-        params[f"b{i}"] = np.zeros(WIDTH, np.float32)
-    batch = {
-        "x": rng.randn(ROWS, WIDTH).astype(np.float32),
-        "y": rng.randn(ROWS, WIDTH).astype(np.float32),
-    }
-    return params, batch
+def inputs() -> tuple[_mlp.Arrays, _mlp.Arrays]:
+    return _mlp.inputs(LAYERS, WIDTH, ROWS)
 
 
 def strategy(case: Case) -> fleetjax.DistributedStrategy:
@@ -96,7 +80,7 @@ def fleetjax_step(
     case: Case, mesh: Mesh, params: Any, batch: Any
 ) -> tuple[Step, str, fleetjax.TrainStep]:
     """One fleetjax step as a call, its compiled text and the `TrainStep`."""
-    step = fleetjax.make_train_step(loss_fn, optax.adam(LEARNING_RATE), strategy(case), mesh)
+    step = fleetjax.make_train_step(_mlp.loss_fn, optax.adam(LEARNING_RATE), strategy(case), mesh)
     state = step.init(params)
     placed = step.shard_batch(batch)
     hlo = step.lower(state, placed).compile().as_text()
@@ -127,7 +111,7 @@ def hand_written_step(
     batch_sharding = NamedSharding(mesh, P(("dp", "sharding")))
 
     def update(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        loss, grads = jax.value_and_grad(_mlp.loss_fn)(params, batch)
         if case.stage >= 2:  # each device keeps only its rows of the reduced gradient
             grads = jax.lax.with_sharding_constraint(grads, grad_sharding)
         updates, opt_state = tx.update(grads, opt_state, params)

@@ -21,7 +21,7 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)  # before any backend starts; only affects CPU
 
-import jax.numpy as jnp  # noqa: E402
+import _mlp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from _report import MiB, Result, bench_devices, describe  # noqa: E402
@@ -33,24 +33,8 @@ N, WIDTH, LAYERS, ROWS = 8, 512, 4, 64
 STAGES = (0, 1, 2, 3)
 
 
-def loss_fn(params: dict[str, jax.Array], batch: dict[str, jax.Array]) -> jax.Array:
-    h = batch["x"]
-    for i in range(LAYERS):
-        h = jnp.tanh(h @ params[f"w{i}"] + params[f"b{i}"])
-    return jnp.mean((h - batch["y"]) ** 2)
-
-
-def inputs() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    rng = np.random.RandomState(0)
-    params = {}
-    for i in range(LAYERS):
-        params[f"w{i}"] = (rng.randn(WIDTH, WIDTH) / np.sqrt(WIDTH)).astype(np.float32)
-        params[f"b{i}"] = np.zeros(WIDTH, np.float32)  # small: ZeRO keeps it whole
-    batch = {
-        "x": rng.randn(ROWS, WIDTH).astype(np.float32),
-        "y": rng.randn(ROWS, WIDTH).astype(np.float32),
-    }
-    return params, batch
+def inputs() -> tuple[_mlp.Arrays, _mlp.Arrays]:
+    return _mlp.inputs(LAYERS, WIDTH, ROWS)
 
 
 def formula(stage: int, p: float, n: int) -> float:
@@ -83,7 +67,7 @@ def measure(stage: int, devices: list[jax.Device], offload: bool | None = None) 
     n = len(devices)
     mesh = fleetjax.build_mesh(dp=1, sharding=n, devices=devices)
     step = fleetjax.make_train_step(
-        loss_fn, optax.adam(1e-3), strategy(stage, n, bool(offload)), mesh
+        _mlp.loss_fn, optax.adam(1e-3), strategy(stage, n, bool(offload)), mesh
     )
     state = step.init(params)
     explained = fleetjax.explain(step, batch, state, show=False)

@@ -39,7 +39,7 @@ from fleetjax.layers import (
     logical_param,
     partition_specs,
 )
-from fleetjax.transforms.pipeline import PipelineParams, part_keys
+from fleetjax.transforms.pipeline import PipelineLayer, PipelineParams
 
 Params = dict[str, Any]
 Batch = dict[str, jax.Array]
@@ -270,17 +270,9 @@ class GPTFunctions:
         """The mean next-token loss of ``batch["tokens"]`` (int32 [B, T + 1]); with dropout,
         `key` is the step's PRNG key, split among the parts as a pipeline of one micro-batch
         splits it (`fleetjax.transforms.pipeline.part_keys`)."""
-        layer = fleetjax.recompute(self.stage)  # recomputed under a recompute strategy
-        parts = jnp.arange(self.config.num_hidden_layers + 2)
-        keys = part_keys(key[0] if key else jnp.zeros(2, jnp.uint32), 0, 0, parts)
-
-        def block(h: jax.Array, params_and_key: tuple[Params, jax.Array]) -> tuple[jax.Array, None]:
-            layer_params, layer_key = params_and_key
-            return layer(layer_params, h, layer_key if key else None), None
-
-        h = self.embed(params["embed"], batch, keys[0] if key else None)
-        h, _ = jax.lax.scan(block, h, (params["blocks"], keys[1:-1]))
-        return self.head_loss(params["head"], h, batch)
+        # The blocks are recomputed under a recompute strategy.
+        model = PipelineLayer(self.embed, fleetjax.recompute(self.stage), self.head_loss)
+        return model(self.pipeline_params(params), batch, *key)
 
     def embed(self, embed_params: Params, batch: Batch, key: jax.Array | None = None) -> jax.Array:
         """Tokens ``[:, :-1]`` to the residual stream [B, T, hidden_size]."""

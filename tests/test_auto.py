@@ -4,9 +4,7 @@ device; with a large budget it picks pure data parallelism; every candidate is r
 
 import math
 import os
-import pathlib
 import re
-import sys
 
 import chex
 import jax
@@ -16,13 +14,12 @@ import optax
 import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from tiny_gpt import EIGHT_HEADS as GPT_CONFIG
+from tiny_gpt import make_gpt
 
 import fleetjax
 from fleetjax import auto
 from fleetjax.transforms.pipeline import PipelineLayer
-
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
-from gpt import GPTConfig, make_gpt
 
 MiB = 2**20
 
@@ -336,15 +333,6 @@ def test_device_constants_must_be_positive():
 
 # -- the example GPT ---------------------------------------------------------------------------
 
-GPT_CONFIG = GPTConfig(
-    vocab_size=64,
-    max_position_embeddings=8,
-    hidden_size=32,
-    num_attention_heads=8,
-    num_hidden_layers=2,
-    intermediate_size=64,
-    initializer_range=0.2,
-)
 KiB = 2**10
 
 

@@ -2,31 +2,18 @@
 parallel over 8 devices, on Auto and Explicit meshes) has one device's loss curve."""
 
 import itertools
-import pathlib
-import sys
 
 import jax
 import numpy as np
 import optax
 import pytest
 from jax.sharding import AxisType
+from tiny_gpt import EIGHT_HEADS as CONFIG
+from tiny_gpt import make_gpt
 
 import fleetjax
 from fleetjax.transforms.pipeline import PipelineLayer
 
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
-from gpt import GPTConfig, make_gpt
-
-# Eight heads, so that mp can take all 8 devices.
-CONFIG = GPTConfig(
-    vocab_size=64,
-    max_position_embeddings=8,
-    hidden_size=32,
-    num_attention_heads=8,
-    num_hidden_layers=2,
-    intermediate_size=64,
-    initializer_range=0.2,
-)
 STEPS = 3
 ROWS = 8
 

@@ -2,7 +2,8 @@
 `ExecutionStrategy`, and the newer `Strategy` (`paddle.distributed.Strategy`).
 
 Strategies are configuration only: they hold and validate settings and read and write
-prototxt; `make_train_step` and `fleet.init` read them. Every field name, config key and default
+prototxt; `fleetjax.plan.read_plan` is what reads them (`fleetjax.applied_strategy(strategy)`
+says what fleetjax does with one). Every field name, config key and default
 is Paddle's (defaults from the seed documents where those differ from Paddle's code; see
 `seed_default_differences`). Where Paddle is quirky, fleetjax is strict:
 
@@ -23,14 +24,11 @@ import enum
 import os
 import tempfile
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fleetjax import _prototxt, _schema
 from fleetjax._config import Message, MessageSpec
 from fleetjax._prototxt import PrototxtError
-
-if TYPE_CHECKING:
-    from fleetjax._applied import AppliedStrategy
 
 __all__ = [
     "BuildStrategy",
@@ -164,14 +162,6 @@ hybrid_configs={'dp_degree': 2, 'mp_degree': 4})
     def __dir__(self) -> list[str]:
         return sorted(set(super().__dir__()) | set(_ALIASES))
 
-    def explain(self) -> AppliedStrategy:
-        """What fleetjax does with this strategy: the train step's transforms, the optimizer
-        rebuild, the XLA flags and the settings without effect (`print()` it for a table).
-        Validates as `make_train_step` does; see `fleetjax._applied.applied_strategy`."""
-        from fleetjax._applied import applied_strategy  # strategies are config: no JAX at import
-
-        return applied_strategy(self)
-
 
 def _with_seed_defaults(spec: MessageSpec, values: dict[str, Any]) -> dict[str, Any]:
     """`values` plus every unset Paddle field whose fleetjax default differs from Paddle's."""
@@ -207,11 +197,3 @@ class Strategy(_Whole):
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         super().__init__(config)
-
-    def explain(self) -> AppliedStrategy:
-        """What fleetjax does with this strategy: the train step's transforms, the XLA flags and
-        the settings without effect (`print()` it for a table). Validates as `make_train_step`
-        does; see `fleetjax._applied.applied_strategy`."""
-        from fleetjax._applied import applied_strategy  # strategies are config: no JAX at import
-
-        return applied_strategy(self)

@@ -10,13 +10,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import pytest
 
 import fleetjax
-from fleetjax import _support
 
 
 @pytest.fixture(autouse=True)
 def _fresh_warnings():
     """Each test sees each once-per-process strategy warning anew."""
-    _support._warned.clear()
+    fleetjax.StrategyWarning.reset()
     yield
 
 

@@ -14,13 +14,12 @@ from jax.sharding import Mesh
 
 from fleetjax import checkpoint, export, xla_flags
 from fleetjax._applied import AppliedStrategy, applied_strategy
-from fleetjax._plan import read_plan
-from fleetjax.fleet._model import distributed_model
+from fleetjax.distributed_model import distributed_model
+from fleetjax.distributed_optimizer import DistributedOptimizer, distributed_optimizer
 from fleetjax.fleet._trainer import Trainer
 from fleetjax.fleet._util import UtilBase
 from fleetjax.fleet.role_maker import JaxProcessRoleMaker, PaddleCloudRoleMaker, RoleMakerBase
-from fleetjax.mesh import mesh_from_strategy
-from fleetjax.optimizers import DistributedOptimizer, distributed_optimizer
+from fleetjax.plan import mesh_for, read_plan
 from fleetjax.strategy import DistributedStrategy, Strategy
 
 logger = logging.getLogger("fleetjax")
@@ -95,8 +94,8 @@ class Fleet:
             )
         # First: anything below may start JAX's backend (a role maker asking jax for the
         # process index, the mesh), and XLA reads XLA_FLAGS only then.
-        self._xla_flags = xla_flags.apply(strategy)
-        read_plan(strategy)  # fail fast on settings fleetjax cannot apply; warn for no-ops
+        plan = read_plan(strategy)  # fail fast on settings fleetjax cannot apply
+        self._xla_flags = xla_flags.apply(plan.xla_flags, plan.strategy)
         if role_maker is None:
             from_jax = "PADDLE_TRAINER_ENDPOINTS" not in os.environ
             from_jax = from_jax and jax.distributed.is_initialized()
@@ -108,7 +107,7 @@ class Fleet:
         logger.setLevel(log_level)
         if role_maker.is_distributed:
             _join_processes(role_maker)
-        self._mesh = mesh_from_strategy(strategy)
+        self._mesh = mesh_for(plan)
         self._role, self._strategy = role_maker, strategy.__copy__()
         self._model = self._param_specs = self._optimizer = self._trainer = None
         logger.info(
@@ -155,8 +154,9 @@ class Fleet:
                 "a strategy given to fleet.distributed_optimizer() replaces the one from "
                 "fleet.init(); pass it to fleet.init() instead"
             )
-            self._xla_flags = xla_flags.apply(strategy)
-            self._mesh = mesh_from_strategy(strategy)
+            plan = read_plan(strategy)
+            self._xla_flags = xla_flags.apply(plan.xla_flags, plan.strategy)
+            self._mesh = mesh_for(plan)
             self._strategy = strategy.__copy__()
         self._optimizer = distributed_optimizer(optimizer, self.strategy, self.mesh)
         self._trainer = None

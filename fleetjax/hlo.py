@@ -51,10 +51,10 @@ class Collective:
     @property
     def result_bytes(self) -> int:
         """Bytes of the result on each device."""
-        return sum(_itemsize(dtype) * math.prod(dims) for dtype, dims in self.arrays)
+        return sum(itemsize(dtype) * math.prod(dims) for dtype, dims in self.arrays)
 
 
-def _itemsize(dtype: str) -> int:
+def itemsize(dtype: str) -> int:
     if dtype in _BITS:
         return _BITS[dtype] // 8
     digits = re.sub(r"\D", "", dtype)

@@ -19,6 +19,7 @@ from fleetjax import (
     layers,
     mesh,
     optimizers,
+    targets,
     transforms,
     xla_flags,
 )
@@ -79,6 +80,7 @@ __all__ = [
     "pipeline_schedule",
     "recompute",
     "seed_default_differences",
+    "targets",
     "transforms",
     "xla_flags",
 ]

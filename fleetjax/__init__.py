@@ -21,6 +21,7 @@ from fleetjax import (
     mesh,
     optimizers,
     plan,
+    targets,
     transforms,
     xla_flags,
 )
@@ -95,6 +96,7 @@ __all__ = [
     "read_plan",
     "recompute",
     "seed_default_differences",
+    "targets",
     "transforms",
     "xla_flags",
 ]

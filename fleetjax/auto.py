@@ -203,42 +203,6 @@ class HloCost(NamedTuple):
         return compute, self.collectives * device.latency + self.wire_bytes / device.link_bandwidth
 
 
-_MATMUL = re.compile(r"\s(?P<op>dot|convolution|custom-call)\((?P<operands>[^)]*)\)")
-_DOT_DIMS = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
-_GEMM_DIMS = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
-_CONV_LABELS = re.compile(r"dim_labels=\w+_(\w+)->\w+")
-
-
-def _operand_dims(operand: str, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, ...] | None:
-    """An operand's dims: printed inline (`f32[2,3]{1,0} %x`) or looked up by name."""
-    operand = operand.strip()
-    if inline := hlo.SHAPE.match(operand):
-        return hlo.dims(inline.group(0))
-    name = hlo.NAME.search(operand)
-    return shapes.get(name.group(1)) if name else None
-
-
-def _matmul_flops(line: str, shapes: Mapping[str, tuple[int, ...]]) -> float:
-    """2 x multiply-adds of a dot, convolution or library matmul instruction (else 0)."""
-    match, result = _MATMUL.search(line), hlo.ASSIGN.match(line)
-    if match is None or result is None:
-        return 0.0
-    # Split before each operand (a name, or an inline shape, whose dims hold commas too).
-    operands = re.split(r",\s*(?=[a-z]\w*\[|%)", match["operands"])
-    out = math.prod(hlo.dims(result["shape"]))
-    if match["op"] == "convolution":
-        labels, kernel = _CONV_LABELS.search(line), _operand_dims(operands[1], shapes)
-        if labels is None or kernel is None:
-            return 0.0
-        return 2.0 * out * math.prod(kernel) / kernel[labels.group(1).index("o")]
-    dims = _DOT_DIMS.search(line) if match["op"] == "dot" else _GEMM_DIMS.search(line)
-    lhs = _operand_dims(operands[0], shapes)
-    if dims is None or lhs is None:
-        return 0.0
-    contracting = [int(d) for d in re.findall(r"\d+", dims.group(1))]
-    return 2.0 * out * math.prod(lhs[d] for d in contracting)
-
-
 def _wire_bytes(c: hlo.Collective, devices: int) -> float:
     """Bytes one device sends for `c` by ring algorithms; a group the text does not state is
     taken to be all `devices` (an upper bound)."""
@@ -261,7 +225,7 @@ def hlo_cost(hlo_text: str, device: DeviceSpec, devices: int) -> HloCost:
     """
 
     def measure(line: str, shapes: Mapping[str, tuple[int, ...]]) -> HloCost:
-        total = HloCost(matmul_flops=_matmul_flops(line, shapes))
+        total = HloCost(matmul_flops=hlo.matmul_flops(line, shapes))
         for c in hlo.collectives(line):
             wire = _wire_bytes(c, devices)
             launches = 1.0 if wire or c.op == "collective-permute" else 0.0

@@ -7,9 +7,16 @@ os.environ["XLA_FLAGS"] = " ".join(
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import jax
 import pytest
 
 import fleetjax
+
+# pytest imported fleetjax, and so jax, before this file (pyproject's warning filter names
+# fleetjax.StrategyWarning): jax's config read the environment before JAX_PLATFORMS was set
+# above. No backend has started yet. Without this JAX would also try CUDA where jax's CUDA plugin
+# is installed (the `aot` extra), and log the plugin's failed CUDA-library check.
+jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
 
 
 @pytest.fixture(autouse=True)

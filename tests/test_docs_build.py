@@ -34,6 +34,7 @@ PUBLIC_MODULES = (
     "fleetjax.layers",
     "fleetjax.xla_flags",
     "fleetjax.auto",
+    "fleetjax.targets",
 )
 
 

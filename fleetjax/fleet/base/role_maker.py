@@ -341,16 +341,18 @@ class PaddleCloudRoleMaker(_EndpointRoleMaker):
     Args:
       is_collective: must be True.
       environ: the environment to read; default `os.environ` at construction time.
-      **kwargs: Paddle's other keyword arguments (`init_gloo`, ...): JAX brings its own CPU
-        collectives, so there is nothing to set up with them.
+      init_gloo: Paddle's switch for its Gloo collectives; JAX brings its own CPU collectives
+        (Gloo), so there is nothing to set up.
     """
 
     def __init__(
         self,
         is_collective: bool = True,
         environ: Mapping[str, str] | None = None,
-        **kwargs: Any,
+        *,
+        init_gloo: bool = False,
     ) -> None:
+        del init_gloo  # JAX's CPU collectives need no set-up
         env = os.environ if environ is None else environ
         raw_id = env.get("PADDLE_TRAINER_ID", "0")
         try:
@@ -367,7 +369,6 @@ class PaddleCloudRoleMaker(_EndpointRoleMaker):
             env.get("PADDLE_CURRENT_ENDPOINT"),
             source="PADDLE_TRAINER_ENDPOINTS/PADDLE_TRAINER_ID",
         )
-        self._kwargs = kwargs
         self._non_distributed = not endpoints
         self._local_rank = env.get("PADDLE_RANK_IN_NODE")
         self._local_device_ids = env.get("PADDLE_LOCAL_DEVICE_IDS")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -97,11 +97,11 @@ def _parsed(flag: str, text: str, parse: Callable[[str], Any]) -> Any:
         raise ValueError(f"environment variable {flag}={text!r}: {e}") from None
 
 
-def _set_memory_fraction(text: str, env: Mapping[str, str]) -> None:
+def _set_memory_fraction(text: str) -> None:
     fraction = _parsed(MEMORY_FRACTION, text, float)
     if not 0 < fraction <= 1:
         raise ValueError(f"environment variable {MEMORY_FRACTION}={text!r}: must be in (0, 1]")
-    current = env.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    current = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
     if current is not None:
         if float(current) != fraction:
             warn_once(
@@ -119,9 +119,9 @@ def _set_memory_fraction(text: str, env: Mapping[str, str]) -> None:
     logger.info("%s=%s: XLA_PYTHON_CLIENT_MEM_FRACTION=%s", MEMORY_FRACTION, text, fraction)
 
 
-def _select_gpus(text: str, env: Mapping[str, str]) -> None:
+def _select_gpus(text: str) -> None:
     gpus = ",".join(str(_parsed(SELECTED_GPUS, g, int)) for g in text.split(",") if g.strip())
-    if "CUDA_VISIBLE_DEVICES" in env:
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
         return  # the launcher (or the user) already picked this process's GPUs
     if xla_flags.backend_started():
         warn_once(
@@ -133,11 +133,9 @@ def _select_gpus(text: str, env: Mapping[str, str]) -> None:
     logger.info("%s=%s: jax_cuda_visible_devices=%s", SELECTED_GPUS, text, gpus)
 
 
-def _with_field_flags(
-    strategy: DistributedStrategy | Strategy, env: Mapping[str, str]
-) -> DistributedStrategy | Strategy:
-    """`strategy`, or a copy with the fields that flags in `env` set."""
-    filled = strategy
+def _with_field_flags(strategy: DistributedStrategy | Strategy) -> DistributedStrategy | Strategy:
+    """`strategy`, or a copy with the fields that the environment's flags set."""
+    env, filled = os.environ, strategy
     for flag, name, parse in FIELD_FLAGS:
         if flag not in env:
             continue
@@ -164,10 +162,8 @@ def _with_field_flags(
     return filled
 
 
-def apply(
-    strategy: DistributedStrategy | Strategy, env: Mapping[str, str] | None = None
-) -> DistributedStrategy | Strategy:
-    """Put the Paddle `FLAGS_*` of `env` (default `os.environ`) into effect for `strategy`.
+def apply(strategy: DistributedStrategy | Strategy) -> DistributedStrategy | Strategy:
+    """Put the environment's Paddle `FLAGS_*` into effect for `strategy`.
 
     Returns the strategy to use: `strategy` itself, or a copy with the fields the flags set.
     Warns once for each flag with no effect, and once listing the `FLAGS_*` fleetjax does
@@ -176,15 +172,15 @@ def apply(
     Raises:
       ValueError: a flag's value that does not parse, naming the variable.
     """
-    env = os.environ if env is None else env
+    env = os.environ
     if MEMORY_FRACTION in env:
-        _set_memory_fraction(env[MEMORY_FRACTION], env)
+        _set_memory_fraction(env[MEMORY_FRACTION])
     if SELECTED_GPUS in env:
-        _select_gpus(env[SELECTED_GPUS], env)
+        _select_gpus(env[SELECTED_GPUS])
     unread = sorted(name for name in env if name.startswith("FLAGS_") and name not in READ)
     if unread:
         warn_once(
             f"fleetjax does not read these Paddle flags: {', '.join(unread)} (they tune "
             "Paddle's executor, allocator or kernels; docs/knobs.md lists the flags it reads)"
         )
-    return _with_field_flags(strategy, env)
+    return _with_field_flags(strategy)

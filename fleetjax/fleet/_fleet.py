@@ -100,7 +100,8 @@ class Fleet:
         if not isinstance(strategy, (DistributedStrategy, Strategy)):
             raise TypeError(
                 "strategy must be a fleetjax.DistributedStrategy or fleetjax.Strategy, "
-                f"got {type(strategy).__name__}"
+                f"got {type(strategy).__name__} (a fleet.auto.Strategy converts with "
+                "fleetjax.Strategy()._from_legacy_strategy(strategy))"
             )
         # First: anything below may start JAX's backend (a role maker asking jax for the
         # process index, the mesh), and XLA reads XLA_FLAGS only then.

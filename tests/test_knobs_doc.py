@@ -146,6 +146,8 @@ def _other_value(field: Any):
         if field.is_message:
             return [{field.type.fields[1].name: 1}]
         return [{str: "x", int: 1, float: 0.5}[field.type]]
+    if field.default is None:  # an optional field: any value is another one
+        return {bool: True, int: 1, float: 1.0, str: "x"}[field.type]
     if field.type is bool:
         return not field.default
     if field.type is str:

@@ -17,6 +17,7 @@ from fleetjax import (
     export,
     fleet,
     hlo,
+    placement,
     layers,
     mesh,
     optimizers,
@@ -25,7 +26,7 @@ from fleetjax import (
     transforms,
     xla_flags,
 )
-from fleetjax._applied import AppliedStrategy, applied_strategy
+from fleetjax._applied import AppliedStrategy, Setting, applied_strategy
 from fleetjax._config import UnknownFieldError
 from fleetjax._explain import Explanation, explain
 from fleetjax._prototxt import PrototxtError
@@ -70,6 +71,7 @@ __all__ = [
     "Placement",
     "Plan",
     "PrototxtError",
+    "Setting",
     "Strategy",
     "StrategyWarning",
     "TrainState",
@@ -92,6 +94,7 @@ __all__ = [
     "mesh",
     "optimizers",
     "pipeline_schedule",
+    "placement",
     "plan",
     "read_plan",
     "recompute",

@@ -181,8 +181,7 @@ def _private_uses(source: str) -> set[str]:
 
 @pytest.mark.parametrize("path_source", _sources(), ids=lambda ps: str(ps[0].relative_to(ROOT)))
 def test_no_private_fleetjax_name_outside_the_package(path_source):
-    path, source = path_source
-    assert _private_uses(source) == set()
+    assert _private_uses(path_source[1]) == set()
 
 
 def test_the_private_use_finder_finds_them():

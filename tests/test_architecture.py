@@ -106,8 +106,10 @@ def layers() -> list[tuple[int, str, list[str]]]:
 def layer_of(module: str) -> tuple[int, str]:
     for rank, name, patterns in layers():
         for pattern in patterns:
-            if module == pattern or fnmatch.fnmatch(module, pattern) or (
-                pattern.endswith(".*") and module == pattern[:-2]
+            if (
+                module == pattern
+                or fnmatch.fnmatch(module, pattern)
+                or (pattern.endswith(".*") and module == pattern[:-2])
             ):
                 return rank, name
     raise AssertionError(f"{module} is in no layer of docs/architecture.md")

@@ -20,14 +20,23 @@ runs, so it works for meshes of compile-only devices too):
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from fleetjax._warnings import warn_once
 from fleetjax.layers import partition_specs
-from fleetjax.mesh import batch_sharding, data_axes, replicated, spec_axes, zero_spec
+from fleetjax.mesh import (
+    ZERO_MIN_ELEMENTS,
+    batch_sharding,
+    data_axes,
+    replicated,
+    spec_axes,
+    zero_spec,
+)
 from fleetjax.plan import Plan
 from fleetjax.train_state import TrainState
 from fleetjax.transforms.pipeline import PipelineParams
@@ -99,10 +108,23 @@ def _check_mp_used(mesh: Mesh, specs: Any) -> None:
 
 
 def _zero_specs(plan: Plan, mesh: Mesh, specs: Any, params: Any) -> Any:
-    """`specs` also split over `sharding` where ZeRO's rule finds a dimension (any stage)."""
+    """`specs` also split over `sharding` where ZeRO's rule finds a dimension (any stage);
+    warns once for each large tensor that stays whole on every device."""
     if not plan.sharding_stage:
         return specs
-    return jax.tree.map(lambda s, x: zero_spec(s, x.shape, mesh), specs, params, is_leaf=_is_spec)
+
+    def split(path: Any, spec: PartitionSpec, x: Any) -> PartitionSpec:
+        zero, degree = zero_spec(spec, x.shape, mesh), mesh.shape.get("sharding", 1)
+        if zero == spec and degree > 1 and math.prod(x.shape) >= ZERO_MIN_ELEMENTS:
+            warn_once(
+                f"ZeRO stage {plan.sharding_stage}: params{jax.tree_util.keystr(path)} "
+                f"{list(x.shape)} has no dimension that splits over sharding={degree}, so every "
+                "device keeps all of it (and its optimizer state); pad a dimension to a "
+                f"multiple of {degree}"
+            )
+        return zero
+
+    return jax.tree_util.tree_map_with_path(split, specs, params, is_leaf=_is_spec)
 
 
 def param_shardings(plan: Plan, mesh: Mesh, params: Any, param_specs: Any = None) -> Any:

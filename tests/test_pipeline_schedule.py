@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from fleetjax.transforms._schedules import pipeline_schedule
+from fleetjax.transforms.pipeline.schedules import pipeline_schedule
 
 GRID = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33)]
 

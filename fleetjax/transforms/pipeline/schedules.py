@@ -53,7 +53,7 @@ def _check_count(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def check_schedule(mode: str, stages: int, micro_batches: int, virtual_stages: int) -> str:
+def _check_schedule(mode: str, stages: int, micro_batches: int, virtual_stages: int) -> str:
     """The canonical schedule name, after checking Paddle's constraints on the counts.
 
     Raises:
@@ -261,7 +261,7 @@ def pipeline_schedule(
     Raises:
       ValueError: for an unknown schedule or counts Paddle does not allow.
     """
-    mode = check_schedule(schedule, stages, micro_batches, virtual_stages)
+    mode = _check_schedule(schedule, stages, micro_batches, virtual_stages)
     orders = _orders(mode, stages, micro_batches, virtual_stages)
     rows = _simulate(orders, stages, virtual_stages)
 

@@ -33,6 +33,7 @@ PUBLIC_MODULES = (
     "fleetjax.transforms.gradient_merge",
     "fleetjax.transforms.grad_allreduce",
     "fleetjax.transforms.pipeline",
+    "fleetjax.transforms.pipeline.schedules",
     "fleetjax.layers",
     "fleetjax.xla_flags",
     "fleetjax.auto",

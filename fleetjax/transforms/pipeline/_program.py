@@ -79,6 +79,7 @@ def program(
             per_stage,
             mesh=mesh if context.empty else context,
             axis_names={AXIS},
+            # embed, layers, head, micro-batches, key (and the loss scale)
             in_specs=(whole, PartitionSpec(AXIS), whole, whole, whole, *[whole] * len(scales)),
             out_specs=(PartitionSpec(None, AXIS), PartitionSpec(AXIS)),
         )
@@ -235,26 +236,27 @@ class _Stage:
         """The stage's program for `params` (embed's, this stage's layers', the head's), the
         micro-batches `micro`, the step's `key` and the `loss_scale`, as the `shard_map`
         gives them."""
+        stages, chunks = schedule.stages, schedule.virtual_stages
         self.model, self.shapes, self.micro, self.key = model, shapes, micro, key
         self.loss_scale = loss_scale
-        self.stages, self.chunks = schedule.stages, schedule.virtual_stages
-        self.last = self.stages * self.chunks - 1  # the last virtual stage
+        self.stages, self.chunks = stages, chunks
+        self.last = stages * chunks - 1  # the last virtual stage
+        self.size = jax.tree.leaves(shapes.chunk)[0].shape[0]  # layers per chunk
+        self.head_part = self.size * stages * chunks + 1  # the head's part in `part_keys`
         self.replicas = data_parallel_size(mesh)
         self.scale = 1.0 / (schedule.micro_batches * self.replicas)  # of each micro-batch loss
         self.by_replica = PartitionSpec(None, data_axes(mesh) or None)  # [slots, replicas, ...]
-        stages, chunks = self.stages, self.chunks
+        # Without virtual stages nothing goes from the last stage round to the first.
         self.to_next = [
-            (s, (s + 1) % stages) for s in range(stages) if chunks > 1 or s + 1 < stages
+            (s, (s + 1) % stages) for s in range(stages) if chunks > 1 or s < stages - 1
         ]
         self.to_prev = [(s, (s - 1) % stages) for s in range(stages) if chunks > 1 or s > 0]
-        self.size = jax.tree.leaves(shapes.chunk)[0].shape[0]  # layers per chunk
-        self.head_part = self.size * self.stages * self.chunks + 1  # the head's part_keys part
 
         embed_params, layers, head_params = params
         self.index = lax.axis_index(AXIS)
         self.replica_ids = jnp.arange(self.replicas)
         # Varying from the start: a gradient for a value invariant over pp would be summed
-        # over pp inside the cond branches.
+        # over pp inside the cond branches. `nil` is a zero typed as varying over pp.
         self.embed_params, self.head_params, self.nil = _varying(
             (embed_params, head_params, jnp.float32(0))
         )
@@ -264,6 +266,7 @@ class _Stage:
         self.chunk_vjp = _ChunkVjp(model.chunk, *example)
 
     def _chunk_params(self, chunk: jax.Array | int) -> Any:
+        """The parameters of this stage's model chunk `chunk` (its layers stacked)."""
         if self.chunks > 1:
             return _take(self.layers, chunk)
         return jax.tree.map(lambda x: x[0], self.layers)
@@ -301,23 +304,15 @@ class _Stage:
             activations = _put(activations, row[RECV_ACT], lax.ppermute(y, AXIS, self.to_next))
             cotangents = _put(cotangents, row[RECV_COT], lax.ppermute(dx, AXIS, self.to_prev))
         metrics = jax.tree.map(jnp.add, carry.metrics, metrics)
-        return _Carry(
-            carry.residuals,
-            activations,
-            cotangents,
-            g_layers,
-            g_embed,
-            g_head,
-            carry.loss + loss,
-            metrics,
-        ), None
+        sums = (g_layers, g_embed, g_head, carry.loss + loss, metrics)
+        return _Carry(carry.residuals, activations, cotangents, *sums), None
 
     def forward(self, carry: _Carry, row: jax.Array) -> tuple[_Carry, tuple]:
         """The forward half of a tick, if the row has one: micro-batch ``row[F_MICRO]`` through
         chunk ``row[F_CHUNK]``, after embed on the first virtual stage and before the head on
         the last. Keeps the residuals (and the head's cotangent); returns the carry and, per
         replica, the output to send, the loss, the metrics and the head's gradients."""
-        micro_batch, chunk = row[F_MICRO], row[F_CHUNK]
+        chunk = row[F_CHUNK]
         is_first = chunk * self.stages + self.index == 0
         is_last = chunk * self.stages + self.index == self.last
         shapes = self.shapes
@@ -345,10 +340,10 @@ class _Stage:
             made = (shapes.activations, _F32, shapes.aux, self.head_params, shapes.activations)
             return residuals, *_zeros(made, self.replicas)
 
-        batch = _take(self.micro, jnp.maximum(micro_batch, 0))
+        batch = _take(self.micro, jnp.maximum(row[F_MICRO], 0))
         x_in = _take(carry.activations, row[F_ACT])
         residuals, y, loss, metrics, dh, dy = lax.cond(
-            micro_batch >= 0, run, idle, carry.residuals, x_in, batch
+            row[F_MICRO] >= 0, run, idle, carry.residuals, x_in, batch
         )
         cotangents = _put(carry.cotangents, row[F_DY], dy)
         return carry._replace(residuals=residuals, cotangents=cotangents), (y, loss, metrics, dh)
@@ -375,7 +370,7 @@ class _Stage:
         through chunk ``row[B_CHUNK]`` from its kept residuals and cotangent, and back through
         embed on the first virtual stage. Returns, per replica, the gradients of the chunk's
         parameters, of its input (to send) and of embed's parameters."""
-        micro_batch, chunk = row[B_MICRO], row[B_CHUNK]
+        chunk = row[B_CHUNK]
         shapes = self.shapes
 
         def one(
@@ -399,9 +394,9 @@ class _Stage:
         def idle(residuals: Any, dy: Any, batch: Any) -> tuple:
             return _zeros((shapes.chunk, shapes.activations, self.embed_params), self.replicas)
 
-        batch = _take(self.micro, jnp.maximum(micro_batch, 0))
+        batch = _take(self.micro, jnp.maximum(row[B_MICRO], 0))
         dy = _take(carry.cotangents, row[B_COT])
-        return lax.cond(micro_batch >= 0, run, idle, carry.residuals, dy, batch)
+        return lax.cond(row[B_MICRO] >= 0, run, idle, carry.residuals, dy, batch)
 
     def results(self, carry: _Carry) -> tuple[Any, Any]:
         """The layers' gradients [replicas, layers, ...] and, per stage, [1, replicas, ...] of

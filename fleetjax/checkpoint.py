@@ -322,8 +322,8 @@ class CheckpointManager:
             raise ValueError(f"checkpoint {step} already exists in {self.directory}")
         if os.path.lexists(self._path(step)):
             raise ValueError(
-                f"{self._path(step)} exists and is not a checkpoint (it has no "
-                f"{MANIFEST}/{MANIFEST_FILE}); move it away or save under another step"
+                f"{self._path(step)} exists and is not a checkpoint (it has no {MANIFEST}/ "
+                "folder); move it away or save under another step"
             )
         extra = extra or {}
         try:
@@ -489,7 +489,7 @@ class CheckpointManager:
             f"(complete checkpoints: {steps or 'none'})"
         )
         if step is not None and os.path.lexists(self._path(step)):
-            message += f"; {self._path(step)} has no {MANIFEST}/{MANIFEST_FILE}: not a checkpoint"
+            message += f"; {self._path(step)} has no {MANIFEST}/ folder: it is not a checkpoint"
         return message
 
     def _verify(self, step: int, manifest: dict[str, Any], state: Any, extra: Any) -> None:

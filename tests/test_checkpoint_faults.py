@@ -198,11 +198,12 @@ def test_a_user_folder_is_neither_listed_nor_deleted_nor_overwritten(tmp_path):
         for step in range(1, 5):
             manager.save(step, state_of(step))
         assert manager.all_steps() == [4]
-        with pytest.raises(ValueError, match=r"/5 exists and is not a checkpoint \(it has no "):
+        not_mine = r"/5 exists and is not a checkpoint \(it has no fleetjax/ folder\); move it"
+        with pytest.raises(ValueError, match=not_mine):
             manager.save(5, state_of(5))
         manager.save(6, state_of(6))
         assert manager.all_steps() == [6]
-        with pytest.raises(FileNotFoundError, match=r"; .*/5 has no fleetjax/manifest.json: not"):
+        with pytest.raises(FileNotFoundError, match=r"; .*/5 has no fleetjax/ folder: it is not"):
             manager.restore(state_of(0), step=5)
     assert (tmp_path / "5" / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == [".fleetjax-lock", "007", "5", "6"]

@@ -209,6 +209,7 @@ class CheckpointManager:
         self.max_to_keep = max_to_keep
         self.save_interval_steps = save_interval_steps
         self.read_only = read_only
+        self._lock = None if read_only or jax.process_index() else self._take_directory()
         handler = ocp.CompositeCheckpointHandler(
             **{
                 STATE: ocp.StandardCheckpointHandler(),
@@ -225,19 +226,21 @@ class CheckpointManager:
             self._checkpointer = ocp.Checkpointer(handler)
         self._finishing: threading.Thread | None = None  # completes a background save
         self._failure: tuple[int, BaseException] | None = None  # of the last background save
-        self._lock: _Lock | None = None
-        if not read_only and jax.process_index() == 0:
-            if os.path.exists(self.directory) and not os.path.isdir(self.directory):
-                raise NotADirectoryError(f"checkpoint directory {self.directory} is a file")
-            os.makedirs(self.directory, exist_ok=True)
-            self._lock = _Lock(self.directory)
-            try:
-                self._check_writer()
-            except ValueError:
-                self._lock.release()
-                raise
-            self._clean_up()
         self._closed = False
+
+    def _take_directory(self) -> _Lock:
+        """Create, lock and check the directory for writing; clean up after killed writers."""
+        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+            raise NotADirectoryError(f"checkpoint directory {self.directory} is a file")
+        os.makedirs(self.directory, exist_ok=True)
+        lock = _Lock(self.directory)
+        try:
+            self._check_writer()
+        except ValueError:
+            lock.release()
+            raise
+        self._clean_up()
+        return lock
 
     # -- listing -----------------------------------------------------------------------------
     def _path(self, step: int) -> str:

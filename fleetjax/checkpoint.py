@@ -422,6 +422,8 @@ class CheckpointManager:
         keys = {"format", "writer", "step", "checksums", "extra_sha256"}
         if not isinstance(manifest, dict) or not keys <= manifest.keys():
             raise self._corrupt(step, f"its manifest {path} lacks {sorted(keys)}")
+        if not isinstance(manifest["checksums"], dict):
+            raise self._corrupt(step, f"its manifest {path} has no table of checksums")
         if manifest["step"] != step:
             raise self._corrupt(step, f"its manifest {path} is that of step {manifest['step']}")
         return manifest

@@ -2,6 +2,7 @@
 writers, kills during a deletion, a failing background save, and (slow) a loop of kills at
 random moments of saving."""
 
+import json
 import os
 import pathlib
 import random
@@ -147,6 +148,18 @@ def test_edited_extras_and_a_moved_checkpoint_are_detected(three_steps):
     shutil.move(three_steps / "2", three_steps / "7")  # a checkpoint copied under a new name
     with pytest.raises(CorruptCheckpointError, match=r"its manifest .*/7/fleetjax/manifest.json "):
         manager.restore(state_of(0), step=7)
+
+
+def test_a_manifest_of_the_wrong_shape_is_corrupt(three_steps):
+    manifest = three_steps / "3" / "fleetjax" / "manifest.json"
+    manager = CheckpointManager(three_steps, read_only=True)
+    manifest.write_text("[]")
+    with pytest.raises(CorruptCheckpointError, match=r"its manifest .* lacks \['checksums', "):
+        manager.restore(state_of(0))
+    fields = {"format": 1, "writer": "CheckpointManager", "step": 3, "extra_sha256": ""}
+    manifest.write_text(json.dumps({**fields, "checksums": []}))
+    with pytest.raises(CorruptCheckpointError, match=r"its manifest .* has no table of checks"):
+        manager.restore(state_of(0))
 
 
 def test_no_intact_checkpoint(tmp_path):

@@ -157,6 +157,60 @@ def test_errors(tmp_path):
     assert not pathlib.Path(tmp_path, export.MODEL_FILE).exists()
 
 
+def _cut_in_half(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _flip_16_bytes(path, start=None):
+    data = bytearray(path.read_bytes())
+    start = len(data) // 2 if start is None else start
+    data[start : start + 16] = bytes(b ^ 0xFF for b in data[start : start + 16])
+    path.write_bytes(data)
+
+
+def _flip_the_header(path):
+    _flip_16_bytes(path, start=0)
+
+
+def _flip_the_stablehlo(path):
+    _flip_16_bytes(path, start=path.read_bytes().index(b"ML\xefR") + 16)  # MLIR bytecode
+
+
+def _other_params(path):
+    np.savez(path, **{f"{i}:{i}": x for i, x in enumerate(jax.tree.leaves(make_params()))})
+
+
+def _one_param_more(path):
+    leaves = [*jax.tree.leaves(make_params((64, 8, 10))), np.ones(2)]
+    np.savez(path, **{f"{i}:{i}": x for i, x in enumerate(leaves)})
+
+
+NOT_A_MODEL = "is not a model written by save_inference_model, or is damaged"
+NOT_PARAMS = "is not a parameter file written by save_inference_model, or is damaged"
+
+
+@pytest.mark.parametrize(
+    "file, damage, problem",
+    [
+        (export.MODEL_FILE, _cut_in_half, rf"{NOT_A_MODEL} \(error: unpack_from requires"),
+        (export.MODEL_FILE, _flip_the_header, rf"{NOT_A_MODEL} \(error: unpack_from requires"),
+        (export.MODEL_FILE, _flip_the_stablehlo, rf"{NOT_A_MODEL} \(JaxRuntimeError: .*StableHLO"),
+        (export.PARAMS_FILE, _cut_in_half, rf"{NOT_PARAMS} \(BadZipFile: File is not a zip"),
+        (export.PARAMS_FILE, _flip_16_bytes, rf"{NOT_PARAMS} \(BadZipFile: Bad CRC-32 for file"),
+        (export.PARAMS_FILE, _other_params, r": 0:0 is float32\[32\] but its model takes "
+         r"float32\[8\]$"),
+        (export.PARAMS_FILE, _one_param_more, r" holds 5 arrays but its model takes 4 parameters$"),
+    ],
+    ids=lambda x: x.__name__.strip("_") if callable(x) else None,
+)  # fmt: skip
+def test_damaged_files_are_named(tmp_path, file, damage, problem):
+    params = make_params((64, 8, 10))
+    save_inference_model(tmp_path, logits_fn, params, (images(2),))
+    damage(tmp_path / file)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path / file))}:? ?{problem}"):
+        load_inference_model(tmp_path)
+
+
 @pytest.mark.slow
 def test_parameters_split_over_processes(tmp_path):
     """2 processes x 2 devices (fleetjax.launch), with a parameter no process holds whole."""

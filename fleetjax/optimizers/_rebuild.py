@@ -74,8 +74,32 @@ def rebuild(
             f"strategy.{switch} needs more than one data-parallel replica (Paddle applies it "
             f"only on several cards); data_parallel_size is {data_parallel_size}"
         )
-    hp = dict(optimizer.hyperparams) if isinstance(optimizer, PaddleOptimizer) else {}
+    if switch == "localsgd":
+        return localsgd(optimizer, configs["k_steps"], configs["begin_step"], axis_names)
+    if switch == "adaptive_localsgd":
+        return adaptive_localsgd(
+            optimizer, configs["init_k_steps"], configs["begin_step"], axis_names
+        )
+    hp = dict(optimizer.hyperparams)
+    # A global-norm or by-value clip (the classes' grad_clip) goes first, as in the user's.
+    grad_clip = hp.get("grad_clip")
+    if switch == "dgc" and grad_clip is not None:
+        raise TypeError(
+            "strategy.dgc: the Momentum's grad_clip must be a ClipGradByNorm, because Paddle's "
+            f"DGCMomentumOptimizer only supports ClipGradByNorm; got {grad_clip!r}"
+        )
+    rebuilt = _rebuilt(switch, hp, configs, axis_names)
+    if grad_clip is None:
+        return rebuilt
+    tx = optax.chain(grad_clip.transformation(), rebuilt)
+    hyperparams = {**rebuilt.hyperparams, "grad_clip": grad_clip}
+    return PaddleOptimizer(tx.init, tx.update, rebuilt.kind, hyperparams)
 
+
+def _rebuilt(
+    switch: str, hp: dict[str, Any], configs: Mapping[str, Any], axis_names: Sequence[str]
+) -> PaddleOptimizer:
+    """LARS, LAMB or DGC from the user's hyper-parameters `hp` and the switch's configs."""
     if switch == "lars":
         if hp["use_nesterov"]:
             raise ValueError(
@@ -108,18 +132,14 @@ def rebuild(
             configs["exclude_from_weight_decay"],
             clip_norm=hp["clip_norm"],
         )
-    if switch == "dgc":
-        return dgc(
-            hp["learning_rate"],
-            hp["momentum"],
-            use_nesterov=hp["use_nesterov"],
-            weight_decay=hp["weight_decay"],
-            clip_norm=hp["clip_norm"],
-            rampup_begin_step=configs["rampup_begin_step"],
-            rampup_step=configs["rampup_step"],
-            sparsity=configs["sparsity"],
-            axis_names=axis_names,
-        )
-    if switch == "localsgd":
-        return localsgd(optimizer, configs["k_steps"], configs["begin_step"], axis_names)
-    return adaptive_localsgd(optimizer, configs["init_k_steps"], configs["begin_step"], axis_names)
+    return dgc(
+        hp["learning_rate"],
+        hp["momentum"],
+        use_nesterov=hp["use_nesterov"],
+        weight_decay=hp["weight_decay"],
+        clip_norm=hp["clip_norm"],
+        rampup_begin_step=configs["rampup_begin_step"],
+        rampup_step=configs["rampup_step"],
+        sparsity=configs["sparsity"],
+        axis_names=axis_names,
+    )

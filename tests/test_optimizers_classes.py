@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_optimizers_basic import random_problem as problem
+from test_optimizers_basic import run as run_with_state
 
 import fleetjax
 from fleetjax import StrategyWarning
@@ -16,22 +18,8 @@ from fleetjax import optimizers as opt
 LARS = {"lars_coeff": 0.001, "lars_weight_decay": 0.0005, "epsilon": 0.0}
 
 
-def problem(seed=0, steps=3):
-    rng = np.random.RandomState(seed)
-    params = {"w": rng.randn(5, 3).astype(np.float32), "b": rng.randn(3).astype(np.float32)}
-    grads = [
-        {k: (3 * rng.randn(*v.shape)).astype(np.float32) for k, v in params.items()}
-        for _ in range(steps)
-    ]
-    return params, grads
-
-
 def run(tx, params, grads):
-    state = tx.init(params)
-    for g in grads:
-        updates, state = tx.update(g, state, params)
-        params = optax.apply_updates(params, updates)
-    return params
+    return run_with_state(tx, params, grads)[0]
 
 
 def paddle_momentum(params, grads, lr, mu, wd, clip):

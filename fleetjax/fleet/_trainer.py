@@ -30,7 +30,7 @@ from fleetjax.step import TrainStep, make_train_step
 from fleetjax.strategy import DistributedStrategy, Strategy
 from fleetjax.train_state import TrainState
 
-__all__ = ["Trainer"]
+__all__ = ["Trainer", "learning_rate"]
 
 _HELD = (
     "gradients from an earlier backward() are still held: call clear_grad() first (Paddle "
@@ -207,7 +207,7 @@ class Trainer:
           ValueError: if the optimizer keeps no learning rate in its state (build it with
             `fleetjax.optimizers.sgd/momentum/adam/adamw`).
         """
-        return float(np.ravel(jax.device_get(get_lr(self.state.opt_state)))[0])
+        return learning_rate(self.state.opt_state)
 
     def set_lr(self, value: float) -> None:
         """Use the learning rate `value` from the next step on (Paddle's `set_lr`).
@@ -261,6 +261,12 @@ def _module_loss(
     if stateful:
         return loss
     return lambda params, batch, *extra: loss(params, {}, batch, *extra)
+
+
+def learning_rate(opt_state: Any) -> float:
+    """The learning rate in `opt_state` as Paddle's `get_lr` returns it: a Python float, the
+    shortest decimal that is the stored value (0.2, not the float32's 0.20000000298...)."""
+    return float(str(np.ravel(jax.device_get(get_lr(opt_state)))[0]))
 
 
 # -- optimizer state as a nested dict ------------------------------------------------------------

@@ -9,10 +9,13 @@ all-reduces the gradients.
     python examples/train_digits.py --amp --recompute     # strategy switches as flags
     python examples/train_digits.py --optimizer momentum --dgc
     python examples/train_digits.py --checkpoint-dir ckpt # resumes where a killed run stopped
+    python examples/train_digits.py --tensorboard runs/digits  # loss and accuracy scalars
     python -m fleetjax.launch --nproc_per_node 2 --cpu_devices_per_proc 4 \
         examples/train_digits.py                          # 2 processes x 4 devices, same losses
 
-With several processes, each one keeps its own rows of every global batch.
+It prints the strategy in effect (`fleet.applied_strategy()`: what is applied, the XLA flags,
+what has no effect and why) before it trains. With several processes, each one keeps its own
+rows of every global batch.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from jax.experimental import multihost_utils
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from tqdm import tqdm
+from train_gpt import tensorboard_writer
 
 import fleetjax
 from fleetjax import fleet
@@ -69,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--checkpoint-dir", help="save checkpoints here, and resume from the latest one"
     )
     parser.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
+    parser.add_argument(
+        "--tensorboard", metavar="DIR", help="write TensorBoard scalars here (tensorboardX)"
+    )
     return parser.parse_args(argv)
 
 
@@ -168,6 +175,7 @@ def main(args: argparse.Namespace) -> dict[str, float]:
     train, test = load_data(args.seed)
 
     optimizer = fleet.distributed_optimizer(OPTIMIZERS[args.optimizer](args.learning_rate))
+    print(fleet.applied_strategy())
     step = fleetjax.make_train_step(loss_fn, optimizer, has_aux=True)
     state = step.init(init_params(jax.random.key(args.seed), [64, args.hidden, args.hidden, 10]))
 
@@ -180,10 +188,10 @@ def main(args: argparse.Namespace) -> dict[str, float]:
             print(f"resumed from {manager.directory} at step {manager.latest_step()}")
     done = int(state.step)
     data = batches(train, args.batch_size, args.seed, start=position)
+    lead = jax.process_index() == 0  # one process reports
+    writer = tensorboard_writer(args.tensorboard) if args.tensorboard and lead else None
     start = time.perf_counter()
-    progress = tqdm(
-        range(done, args.steps), desc="training", unit="step", disable=jax.process_index() != 0
-    )
+    progress = tqdm(range(done, args.steps), desc="training", unit="step", disable=not lead)
     for i in progress:
         state, metrics = step(state, process_rows(next(data)))
         position += 1
@@ -192,11 +200,16 @@ def main(args: argparse.Namespace) -> dict[str, float]:
             start = time.perf_counter()
         if (i + 1) % 20 == 0 or i + 1 == args.steps:
             progress.set_postfix(loss=f"{float(metrics['loss']):.4f}")
+            if writer is not None:
+                for name in ("loss", "accuracy"):
+                    writer.add_scalar(f"train/{name}", float(metrics[name]), i + 1)
         if args.log_every and (i + 1) % args.log_every == 0:
             progress.write(f"step {i + 1}: loss {float(metrics['loss']):.6f}")
         if manager is not None:
             manager.save(i + 1, state, {"data_position": position}, force=i + 1 == args.steps)
     progress.close()
+    if writer is not None:
+        writer.close()
     if manager is not None:
         manager.close()
     if done >= args.steps:

@@ -290,8 +290,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     size = sum(x.size for x in jax.tree.leaves(params))
     print(
         f"GPT: {size / 1e6:.2f}M parameters ({args.layers} layers, hidden {args.hidden}, "
-        f"{args.heads} heads); {rows} x {args.seq_len} tokens per step\n{strategy!r}"
+        f"{args.heads} heads); {rows} x {args.seq_len} tokens per step"
     )
+    print(fleet.applied_strategy())
     log = TrainingLog(
         args.steps,
         log_every=args.log_every,

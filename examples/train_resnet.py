@@ -162,9 +162,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     size = sum(x.size for x in jax.tree.leaves(params))
     rows = args.batch_size * replicas
     print(f"ResNet-{args.depth}: {size / 1e3:.0f}K parameters; {rows} images per step")
-    print(repr(strategy))
-    for flag in fleetjax.read_plan(strategy).xla_flags:
-        print(f"XLA flag {flag} from {flag.knob}")
+    print(fleet.applied_strategy())
     train, test = load_images(args.seed)
     data = batches(train, rows, args.seed)
     log = TrainingLog(

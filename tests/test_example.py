@@ -5,13 +5,15 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 import fleetjax
 
 EXAMPLE = pathlib.Path(__file__).parents[1] / "examples" / "train_digits.py"
 
 
-def run(*args: str) -> tuple[str, str]:
-    """(the final summary line, the progress bar output)."""
+def output(*args: str) -> tuple[str, str]:
+    """(what the example printed, its progress bar output)."""
     env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
     out = subprocess.run(
         [sys.executable, str(EXAMPLE), *args],
@@ -21,7 +23,13 @@ def run(*args: str) -> tuple[str, str]:
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
-    return out.stdout.strip().splitlines()[-1], out.stderr
+    return out.stdout, out.stderr
+
+
+def run(*args: str) -> tuple[str, str]:
+    """(the final summary line, the progress bar output)."""
+    printed, progress = output(*args)
+    return printed.strip().splitlines()[-1], progress
 
 
 def test_trains_and_prints_a_summary():
@@ -58,3 +66,18 @@ def test_every_switch_trains():
     flags = ["--amp", "--recompute", "--gradient-merge", "2", "--fp16-allreduce"]
     summary, _ = run("--steps", "100", *flags)
     assert accuracy(summary) > 85, summary
+
+
+def test_prints_the_strategy_in_effect_and_writes_tensorboard_scalars(tmp_path):
+    pytest.importorskip("tensorboardX")
+    from test_examples import event_scalars
+
+    printed, _ = output("--steps", "40", "--amp", "--tensorboard", str(tmp_path))
+    strategy = fleetjax.DistributedStrategy(amp=True, amp_configs={"dtype": "bfloat16"})
+    applied = fleetjax.applied_strategy(strategy, fleetjax.build_mesh(dp=8), flags_in_effect=())
+    assert str(applied) + "\n" in printed
+    scalars = event_scalars(tmp_path)
+    assert set(scalars) == {"train/loss", "train/accuracy"}
+    assert [step for step, _ in scalars["train/loss"]] == [20, 40]
+    final_loss = float(printed.split("final loss ")[1].split(" ")[0])
+    assert scalars["train/loss"][-1][1] == pytest.approx(final_loss, abs=1e-4)

@@ -12,6 +12,8 @@ import pytest
 import fleetjax
 from fleetjax import _support
 
+pytest_plugins = ["launching"]  # the `launcher` fixture of the tests that run fleetjax-run
+
 
 @pytest.fixture(autouse=True)
 def _fresh_warnings():

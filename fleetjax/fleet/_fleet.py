@@ -15,10 +15,11 @@ from jax.sharding import Mesh
 from fleetjax import checkpoint, export, xla_flags
 from fleetjax._applied import AppliedStrategy, applied_strategy
 from fleetjax._plan import read_plan
+from fleetjax.fleet._join import default_role_maker, join_processes
 from fleetjax.fleet._model import distributed_model
 from fleetjax.fleet._trainer import Trainer
 from fleetjax.fleet._util import UtilBase
-from fleetjax.fleet.role_maker import JaxProcessRoleMaker, PaddleCloudRoleMaker, RoleMakerBase
+from fleetjax.fleet.role_maker import RoleMakerBase
 from fleetjax.mesh import mesh_from_strategy
 from fleetjax.optimizers import DistributedOptimizer, distributed_optimizer
 from fleetjax.strategy import DistributedStrategy, Strategy
@@ -72,7 +73,8 @@ class Fleet:
         Args:
           role_maker: default `PaddleCloudRoleMaker()` (reads the `PADDLE_*` variables), or,
             without them, `JaxProcessRoleMaker()` if the script already called
-            `jax.distributed.initialize()` (SLURM, Open MPI).
+            `jax.distributed.initialize()` or JAX's cluster detection finds a job of several
+            processes (SLURM, Open MPI, Kubernetes), which `init` then joins.
           is_collective: must be True (parameter-server mode is not supported yet).
           strategy: a `DistributedStrategy` or `Strategy` (copied; default plain DP). Its
             degrees shape the mesh.
@@ -80,7 +82,8 @@ class Fleet:
 
         Raises:
           NotImplementedError: for parameter-server mode.
-          RuntimeError: if JAX already ran a computation and several processes must join.
+          RuntimeError: if JAX already ran a computation and several processes must join, or
+            a scheduler's variables promise several tasks that cannot be joined.
           ValueError: if the strategy's degrees do not fit the devices.
         """
         if not isinstance(is_collective, bool):
@@ -98,16 +101,14 @@ class Fleet:
         self._xla_flags = xla_flags.apply(strategy)
         read_plan(strategy)  # fail fast on settings fleetjax cannot apply; warn for no-ops
         if role_maker is None:
-            from_jax = "PADDLE_TRAINER_ENDPOINTS" not in os.environ
-            from_jax = from_jax and jax.distributed.is_initialized()
-            role_maker = JaxProcessRoleMaker() if from_jax else PaddleCloudRoleMaker()
+            role_maker = default_role_maker()
         if not isinstance(role_maker, RoleMakerBase):
             raise TypeError(
                 f"role_maker must be a fleetjax role maker, got {type(role_maker).__name__}"
             )
         logger.setLevel(log_level)
         if role_maker.is_distributed:
-            _join_processes(role_maker)
+            join_processes(role_maker)
         self._mesh = mesh_from_strategy(strategy)
         self._role, self._strategy = role_maker, strategy.__copy__()
         self._model = self._param_specs = self._optimizer = self._trainer = None
@@ -331,27 +332,3 @@ class Fleet:
 
     def stop_worker(self) -> None:
         raise NotImplementedError(_PS_ERROR.format("stop_worker"))
-
-
-def _join_processes(role: RoleMakerBase) -> None:
-    """`jax.distributed.initialize` for this worker; the coordinator is worker 0's endpoint
-    unless `JAX_COORDINATOR_ADDRESS` names another."""
-    if jax.distributed.is_initialized():
-        if jax.process_count() != role.worker_num:
-            raise RuntimeError(
-                f"jax.distributed already joined {jax.process_count()} processes, but the "
-                f"role lists {role.worker_num} workers"
-            )
-        return
-    coordinator = os.environ.get("JAX_COORDINATOR_ADDRESS") or role.worker_endpoints[0]
-    try:
-        jax.distributed.initialize(
-            coordinator_address=coordinator,
-            num_processes=role.worker_num,
-            process_id=role.worker_index,
-        )
-    except RuntimeError as e:
-        raise RuntimeError(
-            f"could not join {role.worker_num} processes through {coordinator}: {e}. "
-            "fleet.init() must run before any JAX computation in each process."
-        ) from e

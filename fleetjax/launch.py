@@ -156,8 +156,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--job_id", default="default", help="the job's name at --master (default: default)")
     add(
         "--host",
-        help="this node's address (default: the one among --ips this node can "
-        "bind, or the one that reaches --master)",
+        help="this node's address (default: the one among --ips this node can bind, or the "
+        "one that reaches --master)",
     )
     add(
         "--nproc_per_node",
@@ -168,8 +168,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--devices",
         "--gpus",
         dest="devices",
-        help="comma-separated GPU ids of this node, "
-        "split evenly over its processes (default: all visible GPUs)",
+        help="comma-separated GPU ids of this node, split evenly over its processes "
+        "(default: all visible GPUs)",
     )
     add(
         "--cpu_devices_per_proc",
@@ -181,17 +181,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--start_port",
         type=int,
         default=DEFAULT_START_PORT,
-        help="worker i's endpoint port "
-        "is start_port + i; the first worker's is the JAX coordinator's (default: "
-        f"{DEFAULT_START_PORT})",
+        help="worker i's endpoint port is start_port + i; the first worker's is the JAX "
+        f"coordinator's (default: {DEFAULT_START_PORT})",
     )
     add(
         "--heartbeat_timeout",
         type=_positive_seconds,
         metavar="SECONDS",
-        help="stop the job "
-        "when a worker neither writes to its log nor calls fleetjax.launch.heartbeat() for "
-        "this long (default: never)",
+        help="stop the job when a worker neither writes to its log nor calls "
+        "fleetjax.launch.heartbeat() for this long (default: never)",
     )
     add("training_script", nargs="?", help="the script each process runs")
     add("training_script_args", nargs=argparse.REMAINDER)

@@ -219,13 +219,11 @@ def node_index(ips: Sequence[str], host: str | None, rank: int = -1) -> int:
     owns."""
     if host is not None and host not in ips:
         raise LaunchError(f"--host {host} is not one of --ips {','.join(ips)}")
+    if rank >= len(ips):
+        raise LaunchError(f"--rank {rank} is outside --ips {','.join(ips)} (0..{len(ips) - 1})")
+    if rank >= 0 and host is not None and ips.index(host) != rank:
+        raise LaunchError(f"--rank {rank} is not --host {host}'s place in --ips {','.join(ips)}")
     if rank >= 0:
-        if rank >= len(ips) or (host is not None and ips.index(host) != rank):
-            raise LaunchError(
-                f"--rank {rank} is not --host {host}'s place in --ips {','.join(ips)}"
-                if host is not None
-                else f"--rank {rank} is outside --ips {','.join(ips)} (0..{len(ips) - 1})"
-            )
         return rank
     if host is not None:
         return ips.index(host)
@@ -298,6 +296,8 @@ def _node_count(text: str | None) -> int | None:
 def _node_endpoints(args: argparse.Namespace, nproc: int) -> tuple[list[list[str]], int]:
     """Every node's worker endpoints, in node order, and this node's index among them."""
     nnodes = _node_count(args.nnodes)
+    if args.rank < -1:
+        raise LaunchError(f"--rank must be a node's rank (0, 1, ...) or -1 (any), got {args.rank}")
     ports = [args.start_port + i for i in range(nproc)]
     if args.master is not None:
         if args.ips is not None:
@@ -524,16 +524,18 @@ def _wait(proc: subprocess.Popen, index: int, exits: queue.Queue[int]) -> None:
 def _stale(
     running: set[int], logs: Sequence[pathlib.Path], timeout: float
 ) -> tuple[int, str] | None:
-    """(index, description) of a running worker without progress for `timeout` seconds."""
-    now = time.time()
-    for index in sorted(running):
-        idle = now - _last_progress(logs[index])
-        if idle > timeout:
-            return index, (
-                f"made no progress for {idle:.0f} s (no output, no heartbeat; "
-                f"--heartbeat_timeout {timeout:g})"
-            )
-    return None
+    """(index, description) of the running worker without progress for the longest, if that
+    is over `timeout` seconds (workers waiting for a hung one stop progressing later)."""
+    if not running:
+        return None
+    index = min(running, key=lambda i: _last_progress(logs[i]))
+    idle = time.time() - _last_progress(logs[index])
+    if idle <= timeout:
+        return None
+    return index, (
+        f"made no progress for {idle:.0f} s (no output, no heartbeat; "
+        f"--heartbeat_timeout {timeout:g})"
+    )
 
 
 def _watch(
@@ -584,7 +586,7 @@ def _start(
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own group: stopped as one, not by the tty's ^C
-            preexec_fn=_die_with_launcher if _LIBC is not None else None,
+            preexec_fn=_die_with_launcher,
         )
 
 
@@ -644,6 +646,8 @@ def run(
 def main(argv: Sequence[str] | None = None) -> int:
     """The `fleetjax-run` command; returns the exit code."""
     try:
+        if _LIBC is None:
+            raise LaunchError("fleetjax-run runs on Linux only (it relies on /proc and prctl)")
         args = parse_args(argv)
         log_dir = _checked_paths(args)
         workers = plan_workers(args)

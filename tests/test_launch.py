@@ -134,6 +134,7 @@ def test_plan_with_paddles_node_options():
             None,
             "--rank 1 is not --host 10.0.0.1's place in --ips 10.0.0.1,10.0.0.2",
         ),
+        (["--rank", "-2"], None, "--rank must be a node's rank (0, 1, ...) or -1 (any), got -2"),
         (["--ips", "10.0.0.1,,10.0.0.2"], None, "--ips='10.0.0.1,,10.0.0.2' has an empty entry"),
         (
             ["--nnodes", "2"],

@@ -40,14 +40,16 @@ def _detected_cluster() -> type | None:
     """The cluster environment `jax.distributed.initialize()` would join, as JAX picks it."""
     from jax._src import clusters  # JAX's own detection; no public API names the environment
 
-    return next(
-        (
-            env
-            for env in clusters.ClusterEnv._cluster_types
-            if not env.opt_in_only_method and env.is_env_present()
-        ),
-        None,
-    )
+    for env in clusters.ClusterEnv._cluster_types:
+        try:
+            if not env.opt_in_only_method and env.is_env_present():
+                return env
+        except Exception as e:  # Kubernetes without a service account, ...
+            raise RuntimeError(
+                f"JAX's cluster detection failed in {env.__name__}: {e}. For a single process, "
+                "pass role_maker=fleet.PaddleCloudRoleMaker() to fleet.init()."
+            ) from e
+    return None
 
 
 def _refuse_undetected_tasks(environ: Mapping[str, str]) -> None:

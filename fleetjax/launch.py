@@ -269,7 +269,7 @@ def _selected_gpus(devices: str | None, environ: Mapping[str, str]) -> list[str]
         elif "CUDA_VISIBLE_DEVICES" in environ:
             why = f"CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']!r}"
         else:
-            why = "nvidia-smi lists none"
+            why = "nvidia-smi lists none" if shutil.which("nvidia-smi") else "no nvidia-smi"
         raise LaunchError(
             f"--devices (--gpus) {devices} names GPUs, but this machine has none ({why})"
         )

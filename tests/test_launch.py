@@ -302,6 +302,31 @@ def test_a_node_of_another_job_is_refused(launcher, tmp_path):
     assert serving.poll() is None  # still waiting for a node of its own job
 
 
+def test_nodes_asking_for_one_rank_are_refused(launcher, tmp_path):
+    master = f"127.0.0.1:{free_port()}"
+    options = ["--master", master, "--nnodes", "2", "--rank", "0"]
+    nodes = [
+        launcher(
+            *options,
+            "--start_port",
+            str(free_port()),
+            str(WORKER),
+            "env",
+            log_dir=tmp_path / f"n{i}",
+        )
+        for i in (0, 1)
+    ]
+    errors = [node.communicate(timeout=60)[1] for node in nodes]
+    assert [node.returncode for node in nodes] == [2, 2]
+    problem = "the nodes ask for ranks [0, 0], which are not distinct ranks 0..1 of --nnodes 2"
+    assert sorted(errors) == sorted(
+        [
+            f"fleetjax-run: error: {problem}\n",
+            f"fleetjax-run: error: the rendezvous at {master} refused: {problem}\n",
+        ]
+    )
+
+
 # -- the coordinator ---------------------------------------------------------------------------
 def _listening(port: int) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
     """The local addresses of the TCP sockets listening on `port` (from /proc/net)."""

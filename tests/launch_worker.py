@@ -2,7 +2,8 @@
 `python -m fleetjax.launch`.
 
     launch_worker.py env ARGS...   print the launcher's variables and ARGS as JSON, exit 0
-    launch_worker.py fail          worker 1 exits with code 3; the others wait
+    launch_worker.py fail          worker 1 exits with code 3 once all have started; the
+                                   others wait
     launch_worker.py train         join the others with fleet.init(), then synchronise with
                                    them forever (as a training loop does)
     launch_worker.py raise         join the others with fleet.init(); worker 1 raises at once
@@ -19,6 +20,7 @@ Every worker first prints `pid=<its pid>`, so a test can find (and clean up) eac
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -35,6 +37,18 @@ def _joined(rank: int) -> None:
     print(f"ready: worker {fleet.worker_index()} of {fleet.worker_num()}", flush=True)
 
 
+def _wait_until_all_started() -> None:
+    """Until every worker of this node logged its pid (so that a test can track it)."""
+    log_dir = pathlib.Path(os.environ["FLEETJAX_HEARTBEAT_FILE"]).parent  # this worker's log's
+    count = int(os.environ["PADDLE_TRAINERS_NUM"])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        logs = [log_dir / f"workerlog.{rank}" for rank in range(count)]
+        if all(log.exists() and "pid=" in log.read_text() for log in logs):
+            return
+        time.sleep(0.05)
+
+
 def main(mode: str, args: list[str]) -> int:
     rank = int(os.environ["PADDLE_TRAINER_ID"])
     print(f"pid={os.getpid()}", flush=True)
@@ -44,7 +58,7 @@ def main(mode: str, args: list[str]) -> int:
         return 0
     if mode == "fail":
         if rank == 1:
-            time.sleep(0.5)
+            _wait_until_all_started()
             print("worker 1 fails", flush=True)
             return 3
         time.sleep(600)

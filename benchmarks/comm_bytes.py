@@ -34,7 +34,7 @@ from _report import Result, bench_devices  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 import fleetjax  # noqa: E402
-from fleetjax import _hlo  # noqa: E402
+from fleetjax import hlo  # noqa: E402
 from fleetjax import optimizers as fo  # noqa: E402
 
 N, ROWS, SPARSITY = 8, 64, 0.999
@@ -102,20 +102,20 @@ def measure(mode: str, devices: list[jax.Device]) -> dict[str, Any]:
     params, batch = inputs()
     mesh = fleetjax.build_mesh(dp=N, devices=devices)
     step = fleetjax.make_train_step(loss_fn, fo.momentum(0.1, 0.9), strategy(mode), mesh)
-    hlo = step.lower(step.init(params), batch).compile().as_text()
+    text = step.lower(step.init(params), batch).compile().as_text()
     eligible = eligible_sizes(params)
     sent = {"eligible": 0.0, "rest": 0.0}
     ops = set()
-    for c in _hlo.collectives(hlo):
+    for c in hlo.collectives(text):
         if c.group_size is None:
             raise RuntimeError(f"no replica group size in the HLO for {c}")
         ops.add(c.op)
         for dtype, dims in c.arrays:
             size = math.prod(dims)
             part = "eligible" if size in eligible else "rest"
-            sent[part] += ring_bytes(c.op, c.group_size, size * _hlo._itemsize(dtype))
+            sent[part] += ring_bytes(c.op, c.group_size, size * hlo.itemsize(dtype))
     dtypes = sorted(
-        {d for c in _hlo.collectives(hlo) for d, dims in c.arrays if math.prod(dims) in eligible}
+        {d for c in hlo.collectives(text) for d, dims in c.arrays if math.prod(dims) in eligible}
     )
     return {
         "mode": mode,

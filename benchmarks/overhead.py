@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 import fleetjax  # noqa: E402
-from fleetjax import _hlo  # noqa: E402
+from fleetjax import hlo  # noqa: E402
 
 # Tens of milliseconds a step on 8 simulated devices on 2 CPU cores: per-call Python costs
 # are measured against a realistic step, not a 100 us toy.
@@ -83,7 +83,7 @@ def fleetjax_step(
     step = fleetjax.make_train_step(_mlp.loss_fn, optax.adam(LEARNING_RATE), strategy(case), mesh)
     state = step.init(params)
     placed = step.shard_batch(batch)
-    hlo = step.lower(state, placed).compile().as_text()
+    text = step.lower(state, placed).compile().as_text()
 
     def once() -> jax.Array:
         nonlocal state
@@ -92,7 +92,7 @@ def fleetjax_step(
         # loss is ready when the whole step is.
         return jax.block_until_ready(metrics["loss"])
 
-    return once, hlo, step
+    return once, text, step
 
 
 def hand_written_step(
@@ -126,7 +126,7 @@ def hand_written_step(
     params = jax.device_put(params, param_sharding)
     opt_state = jax.jit(tx.init, out_shardings=opt_sharding)(params)
     placed = jax.device_put(batch, batch_sharding)
-    hlo = step.lower(params, opt_state, placed).compile().as_text()
+    text = step.lower(params, opt_state, placed).compile().as_text()
 
     def once() -> jax.Array:
         nonlocal params, opt_state
@@ -134,22 +134,22 @@ def hand_written_step(
         params, opt_state, loss = jax.block_until_ready(step(params, opt_state, placed))
         return loss
 
-    return once, hlo, (param_sharding, opt_sharding)
+    return once, text, (param_sharding, opt_sharding)
 
 
 def _check_same_placement(step: fleetjax.TrainStep, hand: tuple[Any, Any], params: Any) -> None:
     """The hand-written placements must be fleetjax's, or the comparison would be unfair."""
     abstract = jax.eval_shape(lambda p: (p, optax.adam(LEARNING_RATE).init(p)), params)
-    ours = (step.state_sharding.params, step.state_sharding.opt_state)
+    ours = (step.placement.params, step.placement.opt_state)
     for a, b, x in zip(*map(jax.tree.leaves, (ours, hand, abstract)), strict=True):
         if not a.is_equivalent_to(b, x.ndim):
             raise RuntimeError(f"placements differ for {x}: fleetjax {a}, by hand {b}")
 
 
-def _collectives(hlo: str) -> str:
-    """The collectives in `hlo` as "op/N xk": k instructions over groups of N devices ("?"
-    where `fleetjax._hlo` cannot read the group size)."""
-    counts = collections.Counter((c.op, c.group_size or 0) for c in _hlo.collectives(hlo))
+def _collectives(text: str) -> str:
+    """The collectives in the HLO `text` as "op/N xk": k instructions over groups of N devices ("?"
+    where `fleetjax.hlo` cannot read the group size)."""
+    counts = collections.Counter((c.op, c.group_size or 0) for c in hlo.collectives(text))
     return ", ".join(f"{op}/{n or '?'} x{k}" for (op, n), k in sorted(counts.items())) or "none"
 
 

@@ -163,7 +163,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     rows = args.batch_size * replicas
     print(f"ResNet-{args.depth}: {size / 1e3:.0f}K parameters; {rows} images per step")
     print(repr(strategy))
-    for flag in fleetjax.xla_flags.flags_for(strategy):
+    for flag in fleetjax.read_plan(strategy).xla_flags:
         print(f"XLA flag {flag} from {flag.knob}")
     train, test = load_images(args.seed)
     data = batches(train, rows, args.seed)

@@ -16,9 +16,12 @@ from fleetjax import (
     checkpoint,
     export,
     fleet,
+    hlo,
     layers,
     mesh,
     optimizers,
+    plan,
+    targets,
     transforms,
     xla_flags,
 )
@@ -26,11 +29,14 @@ from fleetjax._applied import AppliedStrategy, applied_strategy
 from fleetjax._config import UnknownFieldError
 from fleetjax._explain import Explanation, explain
 from fleetjax._prototxt import PrototxtError
-from fleetjax._support import StrategyWarning
+from fleetjax._warnings import StrategyWarning
 from fleetjax.checkpoint import CheckpointManager
+from fleetjax.distributed_model import distributed_model
+from fleetjax.distributed_optimizer import DistributedOptimizer, distributed_optimizer
 from fleetjax.mesh import build_mesh
-from fleetjax.optimizers import DistributedOptimizer, distributed_optimizer
-from fleetjax.step import TrainState, TrainStep, make_train_step
+from fleetjax.placement import Placement
+from fleetjax.plan import Plan, read_plan
+from fleetjax.step import TrainStep, make_train_step
 from fleetjax.strategy import (
     BuildStrategy,
     DistributedStrategy,
@@ -38,9 +44,14 @@ from fleetjax.strategy import (
     Strategy,
     seed_default_differences,
 )
-from fleetjax.transforms._schedules import PipelineSchedule, pipeline_schedule
+from fleetjax.train_state import TrainState
 from fleetjax.transforms.amp import fp16_guard
-from fleetjax.transforms.pipeline import PipelineLayer, PipelineParams
+from fleetjax.transforms.pipeline import (
+    PipelineLayer,
+    PipelineParams,
+    PipelineSchedule,
+    pipeline_schedule,
+)
 from fleetjax.transforms.recompute import checkpoint_name, recompute
 
 __version__ = "0.1.0"
@@ -56,6 +67,8 @@ __all__ = [
     "PipelineLayer",
     "PipelineParams",
     "PipelineSchedule",
+    "Placement",
+    "Plan",
     "PrototxtError",
     "Strategy",
     "StrategyWarning",
@@ -67,18 +80,23 @@ __all__ = [
     "build_mesh",
     "checkpoint",
     "checkpoint_name",
+    "distributed_model",
     "distributed_optimizer",
     "explain",
     "export",
     "fleet",
     "fp16_guard",
+    "hlo",
     "layers",
     "make_train_step",
     "mesh",
     "optimizers",
     "pipeline_schedule",
+    "plan",
+    "read_plan",
     "recompute",
     "seed_default_differences",
+    "targets",
     "transforms",
     "xla_flags",
 ]

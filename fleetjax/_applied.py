@@ -1,4 +1,5 @@
-"""What a strategy does once validated: `strategy.explain()` and `fleet.applied_strategy()`.
+"""What a strategy does once validated: `fleetjax.applied_strategy(strategy)` and
+`fleet.applied_strategy()`.
 
 Paddle drops strategy switches it cannot apply with a log line, and users inspect
 `fleet._final_strategy()` to find out what ran. fleetjax refuses what it cannot apply, so the
@@ -10,19 +11,17 @@ no effect, each with the reason it warns with.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from fleetjax import _support, xla_flags
-from fleetjax._config import Message
-from fleetjax._plan import Plan, read_plan
-from fleetjax.mesh import AXES, strategy_degrees
-from fleetjax.optimizers import DistributedOptimizer, PaddleOptimizer
-from fleetjax.optimizers._strategy import SWITCHES
+from fleetjax import xla_flags
+from fleetjax.distributed_optimizer import DistributedOptimizer
+from fleetjax.mesh import AXES
+from fleetjax.optimizers import PaddleOptimizer
+from fleetjax.plan import NoEffect, OptimizerSwitch, Plan, read_plan
 from fleetjax.strategy import DistributedStrategy, Strategy
 from fleetjax.transforms import amp
 
@@ -53,7 +52,7 @@ class AppliedStrategy:
     mesh: Mapping[str, int]
     applied: tuple[Setting, ...]
     xla_flags: tuple[xla_flags.Flag, ...]
-    ignored: tuple[xla_flags.Ignored, ...]
+    ignored: tuple[NoEffect, ...]
     plan: Plan
 
     def __str__(self) -> str:
@@ -95,24 +94,18 @@ def applied_strategy(
         strategy asks for that are not are listed as without effect. Default: all it asks for.
       optimizer: the optimizer bound to the strategy, to show what it was rebuilt as.
     """
-    if not isinstance(strategy, (DistributedStrategy, Strategy)):
-        raise TypeError(
-            "strategy must be a fleetjax.DistributedStrategy or fleetjax.Strategy, "
-            f"got {type(strategy).__name__}"
-        )
     plan = read_plan(strategy)
-    sizes = dict(mesh.shape) if mesh is not None else strategy_degrees(strategy)
-    flags = xla_flags.flags_for(strategy)
-    missing = ()
+    sizes = dict(mesh.shape) if mesh is not None else plan.degrees._asdict()
+    flags, missing = plan.xla_flags, ()
     if flags_in_effect is not None:
         missing = tuple(_not_in_effect(f) for f in flags if f not in flags_in_effect)
         flags = tuple(flags_in_effect)
     return AppliedStrategy(
-        strategy=type(strategy).__name__,
+        strategy=plan.strategy,
         mesh={a: sizes[a] for a in AXES},
-        applied=_settings(plan, strategy, sizes, optimizer),
+        applied=_settings(plan, sizes, optimizer),
         xla_flags=flags,
-        ignored=_no_effect(strategy, plan) + missing,
+        ignored=plan.no_effect + missing,
         plan=plan,
     )
 
@@ -121,103 +114,83 @@ def applied_strategy(
 
 
 def _settings(
-    plan: Plan,
-    strategy: DistributedStrategy | Strategy,
-    sizes: Mapping[str, int],
-    optimizer: DistributedOptimizer | None,
+    plan: Plan, sizes: Mapping[str, int], optimizer: DistributedOptimizer | None
 ) -> tuple[Setting, ...]:
+    """What the step does, in the order it composes it: the layout, then the transforms."""
+    found = {**_layout(plan, sizes), **_transforms(plan)}
+    if plan.optimizer is not None:
+        found["optimizer"] = _optimizer(plan.optimizer, optimizer)
+    if plan.iterations_per_run is not None:
+        found["steps per run"] = (
+            f"TrainStep.run scans {plan.iterations_per_run} steps in one compiled call "
+            "(execution_strategy.num_iteration_per_run)"
+        )
+    if plan.sync_batch_norm:
+        found["sync batch norm"] = (
+            "fleet.distributed_model makes BatchNorm layers compute statistics over all replicas"
+        )
+    return tuple(Setting(feature, how) for feature, how in found.items())
+
+
+def _layout(plan: Plan, sizes: Mapping[str, int]) -> dict[str, str]:
     dp = "dp" if sizes["dp"] == -1 else f"dp={sizes['dp']}"
-    data = f"{dp} x sharding={sizes['sharding']}"
-    switch = next((s for s in SWITCHES if getattr(strategy, s, False)), None)
     gradients = (
-        f"each replica computes its own gradient and steps its own optimizer state ({switch} "
-        "does its own communication)"
+        f"each replica computes its own gradient and steps its own optimizer state "
+        f"({plan.optimizer.name} does its own communication)"
         if plan.per_replica
         else "gradients are averaged over the replicas"
     )
-    found = [Setting("data parallel", f"the batch is split over {data}; {gradients}")]
+    found = {
+        "data parallel": f"the batch is split over {dp} x sharding={sizes['sharding']}; {gradients}"
+    }
     if sizes["mp"] > 1:
-        found.append(
-            Setting(
-                "tensor parallel",
-                f"parameters split over mp={sizes['mp']} by their logical axis names "
-                "(fleetjax.layers) or param_specs",
-            )
+        found["tensor parallel"] = (
+            f"parameters split over mp={sizes['mp']} by their logical axis names "
+            "(fleetjax.layers) or param_specs"
         )
-    if plan.pipeline is not None:
-        p = plan.pipeline
+    if (p := plan.pipeline) is not None:
         vpp = f", vpp_degree={p.vpp_degree}" if p.vpp_degree else ""
-        found.append(
-            Setting(
-                "pipeline",
-                f"{p.schedule_mode} over pp={sizes['pp']}, micro_batch_size={p.micro_batch_size}, "
-                f"accumulate_steps={p.accumulate_steps}{vpp}",
-            )
+        found["pipeline"] = (
+            f"{p.schedule_mode} over pp={sizes['pp']}, micro_batch_size={p.micro_batch_size}, "
+            f"accumulate_steps={p.accumulate_steps}{vpp}"
         )
     if plan.sharding_stage:
         held = ["optimizer state", "gradients", "parameters"][: plan.sharding_stage]
         offload = "; the optimizer state lives in pinned host memory" * plan.optimizer_offload
-        found.append(
-            Setting(
-                "sharding",
-                f"ZeRO stage {plan.sharding_stage} over sharding={sizes['sharding']}: "
-                f"{', '.join(held)} split{offload}",
-            )
+        found["sharding"] = (
+            f"ZeRO stage {plan.sharding_stage} over sharding={sizes['sharding']}: "
+            f"{', '.join(held)} split{offload}"
         )
+    return found
+
+
+def _transforms(plan: Plan) -> dict[str, str]:
+    found = {}
     if plan.amp is not None:
-        found.append(Setting("amp", _amp(plan.amp)))
-    if plan.recompute is not None:
-        r = plan.recompute
+        found["amp"] = _amp(plan.amp)
+    if (r := plan.recompute) is not None:
         kept = [f"keeps {list(r.checkpoints)}"] if r.checkpoints else []
         kept += [f"policy {r.policy}"] if r.policy else []
         kept += [f"checkpoint_shape {list(r.checkpoint_shape)}"] if r.checkpoint_shape else []
         kept += ["kept activations offloaded to pinned host memory"] if r.offload else []
-        found.append(
-            Setting("recompute", "layers marked with fleetjax.recompute; " + ", ".join(kept))
-        )
-    if plan.gradient_merge is not None:
-        g = plan.gradient_merge
+        found["recompute"] = "layers marked with fleetjax.recompute; " + ", ".join(kept)
+    if (g := plan.gradient_merge) is not None:
         when = (
             f"{g.k_steps} micro-batches in one call"
             if g.in_step
             else f"the optimizer steps once every {g.k_steps} calls"
         )
-        found.append(
-            Setting(
-                "gradient merge",
-                f"k_steps={g.k_steps}, {'mean' if g.avg else 'sum'} of the gradients; {when}",
-            )
-        )
+        mean = "mean" if g.avg else "sum"
+        found["gradient merge"] = f"k_steps={g.k_steps}, {mean} of the gradients; {when}"
     if plan.allreduce_dtype is not None:
-        found.append(Setting("fp16 allreduce", f"gradients all-reduced in {plan.allreduce_dtype}"))
+        found["fp16 allreduce"] = f"gradients all-reduced in {plan.allreduce_dtype}"
     if plan.hierarchical is not None:
         nodes = plan.hierarchical.ranks_per_node
         node = f"nodes of {nodes} replicas" if nodes else "nodes (one process's replicas each)"
-        found.append(
-            Setting(
-                "hierarchical allreduce",
-                f"gradients reduced in two levels: within {node}, then across nodes",
-            )
+        found["hierarchical allreduce"] = (
+            f"gradients reduced in two levels: within {node}, then across nodes"
         )
-    if switch is not None:
-        found.append(Setting("optimizer", _optimizer(strategy, switch, optimizer)))
-    if plan.iterations_per_run is not None:
-        found.append(
-            Setting(
-                "steps per run",
-                f"TrainStep.run scans {plan.iterations_per_run} steps in one compiled call "
-                "(execution_strategy.num_iteration_per_run)",
-            )
-        )
-    if isinstance(strategy, DistributedStrategy) and strategy.sync_batch_norm:
-        found.append(
-            Setting(
-                "sync batch norm",
-                "fleet.distributed_model makes BatchNorm layers compute statistics over all "
-                "replicas",
-            )
-        )
-    return tuple(found)
+    return found
 
 
 def _amp(config: Any) -> str:
@@ -257,11 +230,9 @@ _REBUILDS = {
 }
 
 
-def _optimizer(
-    strategy: DistributedStrategy, switch: str, optimizer: DistributedOptimizer | None
-) -> str:
-    what, section = _REBUILDS[switch]
-    text = f"{what}: {section} {dict(getattr(strategy, section))}"
+def _optimizer(switch: OptimizerSwitch, optimizer: DistributedOptimizer | None) -> str:
+    what, section = _REBUILDS[switch.name]
+    text = f"{what}: {section} {dict(switch.configs)}"
     if optimizer is not None and isinstance(optimizer.inner, PaddleOptimizer):
         text += f"; {optimizer.user!r} became {optimizer.inner!r}"
     return text
@@ -270,36 +241,8 @@ def _optimizer(
 # -- what has no effect ------------------------------------------------------------------------
 
 
-def _value(message: Message, path: str) -> Any:
-    for name in path.split("."):
-        message = getattr(message, name)
-    return message.non_defaults() if isinstance(message, Message) else message
-
-
-def _no_effect(
-    strategy: DistributedStrategy | Strategy, plan: Plan
-) -> tuple[xla_flags.Ignored, ...]:
-    """The settings `read_plan` warns about, each with its reason: fields whose schema notes
-    they have no effect (`fleetjax._support`), fusions XLA cannot turn off
-    (`xla_flags.ignored_knobs`) and fp16_allreduce under ZeRO (`fleetjax._plan`)."""
-    found = [
-        xla_flags.Ignored(f"{path}={_value(strategy, path)!r}", note)
-        for path, note in _support._noted_fields(strategy)
-    ]
-    zero = isinstance(strategy, DistributedStrategy) and plan.sharding_stage
-    if zero and strategy.fp16_allreduce:
-        found.append(
-            xla_flags.Ignored(
-                "fp16_allreduce=True",
-                "turned off under ZeRO sharding, as Paddle does (its gradients are "
-                "reduce-scattered over the sharding axis by the compiler)",
-            )
-        )
-    return tuple(found) + xla_flags.ignored_knobs(strategy)
-
-
-def _not_in_effect(flag: xla_flags.Flag) -> xla_flags.Ignored:
-    present = xla_flags._parse(os.environ.get("XLA_FLAGS", "")).get(flag.name)
+def _not_in_effect(flag: xla_flags.Flag) -> NoEffect:
+    present = xla_flags.in_env().get(flag.name)
     if present is not None and present != flag.value:
         why = f"XLA_FLAGS sets --{flag.name}={present}, which wins over {flag}"
     else:
@@ -307,4 +250,4 @@ def _not_in_effect(flag: xla_flags.Flag) -> xla_flags.Ignored:
             f"{flag} is not in effect: the installed jaxlib refuses it, or JAX's backend had "
             "started before fleet.init (see the StrategyWarning fleet.init gave)"
         )
-    return xla_flags.Ignored(flag.knob, why)
+    return NoEffect(flag.knob, why)

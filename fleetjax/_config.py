@@ -6,8 +6,10 @@ instead of Paddle's quirks:
 
 * assigning a dict to a message field updates only the keys given; a list replaces the old list;
 * an unknown name raises `UnknownFieldError` listing the valid names (with a close match);
-* a value of the wrong type raises `TypeError` naming the field and the expected type, and a
-  value out of range raises `ValueError` saying what is allowed; either way nothing changes;
+* a value of the wrong type raises `FieldTypeError` (a TypeError and a ValueError) naming the
+  field and the expected type, and a value out of range raises `ValueError` saying what is
+  allowed; either way nothing changes;
+* a scalar field whose default is None (Paddle's `str | None`) also takes None;
 * fields remember whether they were set (proto2 presence), which is what prototxt files record.
 """
 
@@ -24,11 +26,25 @@ import numpy as np
 _INT32 = (-(2**31), 2**31 - 1)
 
 
-class UnknownFieldError(KeyError, AttributeError):
-    """An attribute, config key or section name that the message does not have."""
+class UnknownFieldError(KeyError, AttributeError, TypeError, ValueError):
+    """An attribute, config key or section name that the message does not have.
+
+    A KeyError and an AttributeError (so `in`, `getattr(..., default)` and `hasattr` work),
+    and also what Paddle raises for the same mistake, so that code catching Paddle's errors
+    catches it: TypeError (`DistributedStrategy` attributes) and ValueError
+    (`paddle.distributed.Strategy`'s `fused_passes` keys).
+    """
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0])
+
+
+class FieldTypeError(TypeError, ValueError):
+    """A value of the wrong type for a field (or a non-dict for a message).
+
+    A TypeError that is also a ValueError, which is what Paddle raises for some fields
+    (`DistributedStrategy.a_sync`, `adam_d2sum`) and for `Strategy(config)` with a non-dict.
+    """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +203,8 @@ def _type_name(t: Any) -> str:
 
 def _coerce_scalar(spec: FieldSpec, value: Any, where: str) -> Any:
     t = spec.type
+    if value is None and spec.default is None:  # an optional field (Paddle's `str | None`)
+        return None
     if t is bool:
         ok = isinstance(value, (bool, np.bool_))
     elif t is int:
@@ -198,7 +216,8 @@ def _coerce_scalar(spec: FieldSpec, value: Any, where: str) -> Any:
     else:  # pragma: no cover - schema error
         raise AssertionError(f"bad field type {t!r}")
     if not ok:
-        raise TypeError(f"{where} must be {_type_name(t)}, got {type(value).__name__} {value!r}")
+        expected = _type_name(t) + (" or None" if spec.default is None else "")
+        raise FieldTypeError(f"{where} must be {expected}, got {type(value).__name__} {value!r}")
     value = t(value) if t in (bool, int, float) else value
     if t is int and not _INT32[0] <= value <= _INT32[1]:
         raise ValueError(f"{where} must fit in int32, got {value}")
@@ -335,7 +354,7 @@ class Message:
         Nested messages accept a dict (merged) or a message of the same kind (replaces).
         """
         if values is not None and not isinstance(values, Mapping):
-            raise TypeError(
+            raise FieldTypeError(
                 f"{self._path} must be set from a dict, got {type(values).__name__} {values!r}"
             )
         self._apply(self._checked({**(values or {}), **kwargs}))
@@ -358,12 +377,12 @@ class Message:
         """(replace?, checked values) for assigning `value` to this nested message."""
         if isinstance(value, Message):
             if value._spec is not self._spec:
-                raise TypeError(
+                raise FieldTypeError(
                     f"{where} must be {_type_name(self._spec)}, got {type(value).__name__}"
                 )
             return True, self._checked(value.set_values())
         if not isinstance(value, Mapping):
-            raise TypeError(
+            raise FieldTypeError(
                 f"{where} must be {_type_name(self._spec)}, got {type(value).__name__} {value!r}"
             )
         return False, self._checked(value)
@@ -407,7 +426,7 @@ class Message:
 
 def _checked_list(spec: FieldSpec, value: Any, where: str) -> list[Any]:
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (Sequence, np.ndarray)):
-        raise TypeError(
+        raise FieldTypeError(
             f"{where} must be a list of {_type_name(spec.type)}, "
             f"got {type(value).__name__} {value!r}"
         )

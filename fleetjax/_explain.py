@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 
-from fleetjax import _hlo
+from fleetjax import hlo
 from fleetjax.step import TrainStep
 
 MiB = 2**20
@@ -78,9 +78,9 @@ class _Uses(dict[tuple[str, str], tuple[int, int]]):
     @classmethod
     def of_line(cls, line: str, shapes: Mapping[str, tuple[int, ...]]) -> _Uses:
         uses = cls()
-        for c in _hlo.collectives(line):
+        for c in hlo.collectives(line):
             for dtype, dims in c.arrays:
-                uses += cls({(c.op, dtype): (1, _hlo._itemsize(dtype) * math.prod(dims))})
+                uses += cls({(c.op, dtype): (1, hlo.itemsize(dtype) * math.prod(dims))})
         return uses
 
     def __add__(self, other: _Uses) -> _Uses:  # type: ignore[override]
@@ -118,22 +118,24 @@ def explain(step: TrainStep, batch: Any, state: Any = None, *, show: bool = True
     """
     state = state if state is not None else step.abstract_state
     if state is None:
-        raise ValueError("call step.init(params) first, or pass the state")
+        raise ValueError(
+            "call step.init(params) or step.abstract_init(params) first, or pass the state"
+        )
     compiled = step.lower(state, batch).compile()
     memory = compiled.memory_analysis()
     abstract = jax.eval_shape(lambda s: s, state)
-    placements = step.state_sharding
-    if step._grad_sharding is None:  # per-replica optimizers: each device's own full gradient
-        grads = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract.params))
-        if step.plan.replica_params:
-            grads //= step._replicas
+    placement = step.placement
+    if placement.grads is None:  # per-replica optimizers: each device's own full gradient
+        grads = _device_bytes(abstract.params, placement.params)
+        if not step.plan.replica_params:  # replicated parameters, one full gradient
+            grads = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract.params))
     else:
-        grads = _device_bytes(abstract.params, step._grad_sharding)
-    uses = _hlo.per_call(compiled.as_text(), _Uses.of_line, _Uses(), _Uses.largest)
+        grads = _device_bytes(abstract.params, placement.grads)
+    uses = hlo.per_call(compiled.as_text(), _Uses.of_line, _Uses(), _Uses.largest)
     report = Explanation(
-        params=_device_bytes(abstract.params, placements.params),
+        params=_device_bytes(abstract.params, placement.params),
         grads=grads,
-        opt_state=_device_bytes(abstract.opt_state, placements.opt_state),
+        opt_state=_device_bytes(abstract.opt_state, placement.opt_state),
         temp=memory.temp_size_in_bytes,
         arguments=memory.argument_size_in_bytes,
         outputs=memory.output_size_in_bytes,

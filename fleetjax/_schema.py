@@ -548,6 +548,86 @@ QAT_CONFIG = message(
     ],
 )
 
+
+def _set_by_fleet(name: str) -> str:
+    return (
+        f"Paddle's fleet replaces it with DistributedStrategy.{name}, the field fleetjax reads; "
+        "set that one"
+    )
+
+
+_FROM_ROLE = (
+    "Paddle's fleet fills it in from the role maker; fleetjax reads the role (fleet.worker_num(),"
+    " fleet.worker_index(), fleet.worker_endpoints())"
+)
+_ONEDNN = "oneDNN kernels for Paddle's CPU operators; XLA:CPU picks its own kernels"
+
+_BUILD_STRATEGY_PYTHON_FIELDS = (
+    field(
+        1001,
+        "nccl_comm_num",
+        int,
+        1,
+        paddle=False,
+        check=_positive,
+        note=_set_by_fleet("nccl_comm_num"),
+    ),
+    field(
+        1002,
+        "use_hierarchical_allreduce",
+        bool,
+        False,
+        paddle=False,
+        note=_set_by_fleet("use_hierarchical_allreduce"),
+    ),
+    field(
+        1003,
+        "hierarchical_allreduce_inter_nranks",
+        int,
+        0,
+        paddle=False,
+        check=_non_negative,
+        note=_set_by_fleet("hierarchical_allreduce_inter_nranks"),
+    ),
+    field(
+        1004, "sync_batch_norm", bool, False, paddle=False, note=_set_by_fleet("sync_batch_norm")
+    ),
+    field(
+        1005,
+        "fuse_all_reduce_ops",
+        bool,
+        True,
+        paddle=False,
+        note=_set_by_fleet("fuse_all_reduce_ops"),
+    ),
+    field(1006, "num_trainers", int, 1, paddle=False, check=_positive, note=_FROM_ROLE),
+    field(1007, "trainer_id", int, 0, paddle=False, check=_non_negative, note=_FROM_ROLE),
+    field(1008, "trainers_endpoints", str, [], paddle=False, note=_FROM_ROLE),
+    field(
+        1009,
+        "bkcl_comm_num",
+        int,
+        1,
+        paddle=False,
+        check=_positive,
+        note="the number of BKCL communicators on Kunlun XPUs; JAX has no Kunlun backend",
+    ),
+    field(1010, "async_mode", bool, False, paddle=False, note=_PS),
+    field(
+        1011,
+        "build_cinn_pass",
+        bool,
+        False,
+        paddle=False,
+        note="Paddle's CINN compiler pass; XLA compiles every train step already",
+    ),
+    field(1012, "fuse_adamw", bool, False, paddle=False),
+    field(1013, "memory_optimize", bool, None, paddle=False, note=_XLA_BUFFERS),
+    field(1014, "mkldnn_enabled_op_types", str, [], paddle=False, note=_ONEDNN),
+    field(1015, "onednn_enabled_op_types", str, [], paddle=False, note=_ONEDNN),
+    field(1016, "sequential_run", bool, False, paddle=False, note=_XLA_SCHEDULES),
+)
+
 BUILD_STRATEGY = message(
     "BuildStrategy",
     "build_strategy",
@@ -601,6 +681,10 @@ BUILD_STRATEGY = message(
                 "no such rewrite (it fuses the elementwise parts itself)"
             ),
         ),
+        # paddle.static.BuildStrategy's Python-side attributes (not in the proto; Paddle drops
+        # them when the build strategy is assigned to a DistributedStrategy, fleetjax keeps
+        # them); defaults are paddle.static.BuildStrategy()'s in Paddle 3.3.1.
+        *_BUILD_STRATEGY_PYTHON_FIELDS,
     ],
 )
 
@@ -976,6 +1060,100 @@ AUTO_RECOMPUTE = message(
     ],
 )
 
+_ENGINE = "a setting of Paddle's auto-parallel Engine; fleetjax has no Engine"
+
+AUTO_DP_OPTIMIZATION = message(
+    "DPOptimizationSection",
+    "dp_optimization",
+    [
+        field(1, "enable", bool, False),
+        field(2, "fuse_all_reduce_ops", bool, True),
+        field(3, "fuse_grad_size_in_MB", int, 32, check=_non_negative),
+        field(4, "overlap_comm_cacl", bool, True),
+        field(5, "gradient_sync_after_accumulate", bool, False),
+    ],
+)
+
+AUTO_MP_OPTIMIZATION = message(
+    "MPOptimizationSection",
+    "mp_optimization",
+    [
+        field(1, "allreduce_matmul_grad_overlapping", bool, False),
+        field(2, "replace_with_c_embedding", bool, False),
+        field(3, "replace_with_parallel_cross_entropy", bool, False),
+    ],
+)
+
+AUTO_SP_OPTIMIZATION = message(
+    "SPOptimizationSection", "sp_optimization", [field(1, "enable", bool, True)]
+)
+
+# The top-level keys of both auto-parallel strategies (Paddle's constants.BASE).
+_AUTO_BASE_FIELDS = (
+    field(
+        101,
+        "auto_mode",
+        str,
+        "semi",
+        note=(
+            "Paddle's fully automatic search; fleetjax places arrays as the degrees and the "
+            "model's logical axes say, and XLA's GSPMD propagates the rest"
+        ),
+    ),
+    field(
+        102,
+        "gradient_scale",
+        bool,
+        True,
+        check=Check(
+            lambda v: v is True,
+            "True: the step averages gradients over the data-parallel replicas (scale the loss "
+            "by the replica count to sum them)",
+        ),
+    ),
+    field(
+        103,
+        "gradient_scale_using_allreduce_avg",
+        bool,
+        False,
+        note="the step averages gradients with one all-reduce (pmean) already",
+    ),
+    field(104, "use_cache", bool, True, note=_ENGINE + " (jax.jit caches compiled steps)"),
+    field(105, "return_numpy", bool, True, note=_ENGINE + " (steps return jax.Array)"),
+    field(106, "all_ranks", bool, False, note=_ENGINE),
+    field(
+        107,
+        "split_data",
+        bool,
+        True,
+        note="a fleetjax step always splits the global batch over the data axes",
+    ),
+    field(
+        108,
+        "seed",
+        int,
+        None,
+        note="parameters and PRNG keys come from the user's code, with its own jax.random keys",
+    ),
+    field(109, "reinit", bool, False, note=_ENGINE),
+)
+
+_DP_PASSES = (
+    "Paddle's data-parallel passes; XLA combines the step's all-reduces and overlaps them itself"
+    " (set the combining threshold with XLA_FLAGS=--xla_gpu_all_reduce_combine_threshold_bytes)"
+)
+_MP_PASSES = (
+    "Paddle's tensor-parallel rewrites; XLA's SPMD partitioner places these operations from the"
+    " shardings itself"
+)
+_SP = "sequence parallelism, which this optimizes, is not in fleetjax"
+# The passes sections both auto-parallel strategies have.
+_AUTO_OPTIMIZATION_SECTIONS = (
+    field(11, "dp_optimization", AUTO_DP_OPTIMIZATION, note=_DP_PASSES),
+    field(12, "mp_optimization", AUTO_MP_OPTIMIZATION, note=_MP_PASSES),
+    field(13, "sp_optimization", AUTO_SP_OPTIMIZATION, note=_SP),
+)
+
 AUTO_STRATEGY = message(
     "Strategy",
     "Strategy",
@@ -986,6 +1164,90 @@ AUTO_STRATEGY = message(
         field(4, "pipeline", AUTO_PIPELINE),
         field(5, "amp", AUTO_AMP),
         field(6, "recompute", AUTO_RECOMPUTE),
+        *_AUTO_OPTIMIZATION_SECTIONS,
+        *_AUTO_BASE_FIELDS,
+        field(
+            110,
+            "full_graph",
+            bool,
+            True,
+            note="jax.jit always traces the whole step; there is no partial-graph mode",
+        ),
+    ],
+)
+
+# -- paddle.distributed.fleet.auto.Strategy (the older auto-parallel strategy) ----------------
+# Section keys and defaults are Paddle's constants.py; fleetjax trains with the newer Strategy
+# (`Strategy._from_legacy_strategy` converts, as Paddle's does).
+
+AUTO_QAT = message(
+    "QATSection",
+    "qat",
+    [
+        field(1, "enable", bool, False),
+        field(2, "channel_wise_abs_max", bool, True),
+        field(3, "weight_bits", int, 8, check=_positive),
+        field(4, "activation_bits", int, 8, check=_positive),
+        field(5, "not_quant_pattern", str, ["skip_quant"]),
+        field(6, "algo", str, None),
+        field(7, "onnx_format", bool, True),
+    ],
+)
+
+AUTO_TUNING = message(
+    "TuningSection",
+    "tuning",
+    [
+        field(1, "enable", bool, False),
+        field(2, "profile_start_step", int, 1, check=_non_negative),
+        field(3, "profile_end_step", int, 1, check=_non_negative),
+        field(4, "run_after_tuning", bool, True),
+        field(5, "debug", bool, False),
+    ],
+)
+
+AUTO_DATASET = message(
+    "DatasetSection",
+    "dataset",
+    [field(1, "enable", bool, False), field(2, "num_shards", int, 1, check=_positive)],
+)
+
+AUTO_FUSED_LINEAR_PROMOTION = message(
+    "FusedLinearPromotionSection", "fused_linear_promotion", [field(1, "enable", bool, False)]
+)
+
+AUTO_LEGACY_FUSED_PASSES = message(
+    "LegacyFusedPassesSection",
+    "fused_passes",
+    [field(1, "enable", bool, False), field(2, "fused_passes_list", str, [])],
+)
+
+LEGACY_AUTO_STRATEGY = message(
+    "LegacyAutoStrategy",
+    "fleet.auto.Strategy",
+    [
+        field(1, "recompute", AUTO_RECOMPUTE),
+        field(2, "amp", AUTO_AMP),
+        field(3, "sharding", AUTO_SHARDING),
+        field(4, "gradient_merge", AUTO_GRADIENT_MERGE),
+        field(5, "pipeline", AUTO_PIPELINE),
+        field(6, "qat", AUTO_QAT, note="quantization-aware training is not in fleetjax"),
+        field(7, "tuning", AUTO_TUNING, note="there is no auto-tuner in fleetjax"),
+        field(
+            8,
+            "dataset",
+            AUTO_DATASET,
+            note="a fleetjax step splits the global batch over the data axes itself",
+        ),
+        field(9, "fused_passes", AUTO_LEGACY_FUSED_PASSES),
+        field(
+            10,
+            "fused_linear_promotion",
+            AUTO_FUSED_LINEAR_PROMOTION,
+            note="XLA fuses a linear layer's bias add into the matmul itself",
+        ),
+        *_AUTO_OPTIMIZATION_SECTIONS,
+        *_AUTO_BASE_FIELDS,
     ],
 )
 

@@ -1,9 +1,9 @@
 """`DistributedStrategy.auto`: a planner that picks the parallel layout for a model, a batch and
 a per-device memory budget, by compiling candidate train steps (nothing runs).
 
-    plan = fleetjax.auto.plan(loss_fn, optax.adam(1e-3), params, batch, memory_budget=2**30)
-    print(plan)                      # every candidate, its compiled bytes and estimated time
-    step = plan.make_train_step()    # or make_train_step(loss_fn, opt, plan.strategy, ...)
+    found = fleetjax.auto.search(loss_fn, optax.adam(1e-3), params, batch, memory_budget=2**30)
+    print(found)                     # every candidate, its compiled bytes and estimated time
+    step = found.make_train_step()   # or make_train_step(loss_fn, opt, found.strategy, ...)
 
 **Candidates.** First the layouts: every factorisation of the device count into
 ``dp x sharding x mp x pp`` that splits the batch, with ZeRO stages 1, 2 and 3 when
@@ -58,7 +58,7 @@ which rule skipped a candidate:
 
 Override any of it: pass ``candidates=`` (strategies or degree dicts) to compile exactly those,
 fix degrees in ``strategy.hybrid_configs``, pass ``device=DeviceSpec(...)`` for other
-constants, or edit ``plan.strategy`` (a normal `DistributedStrategy`).
+constants, or edit ``found.strategy`` (a normal `DistributedStrategy`).
 """
 
 from __future__ import annotations
@@ -78,62 +78,28 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from fleetjax import _hlo
+from fleetjax import hlo
+from fleetjax.distributed_optimizer import DistributedOptimizer
 from fleetjax.layers import partition_specs
-from fleetjax.mesh._placement import spec_axes
-from fleetjax.optimizers import DistributedOptimizer
+from fleetjax.mesh import spec_axes
+from fleetjax.plan import read_plan
 from fleetjax.step import TrainStep, make_train_step
 from fleetjax.strategy import DistributedStrategy
 from fleetjax.transforms.pipeline import PipelineLayer, PipelineParams
 
 __all__ = [
     "DEVICE_SPECS",
-    "PLANNED_SWITCHES",
     "SAVING_MARGIN",
-    "AutoPlan",
     "Candidate",
     "DeviceSpec",
     "HloCost",
     "Layout",
-    "check_auto_alone",
     "default_memory_budget",
     "device_spec",
     "hlo_cost",
-    "plan",
+    "search",
+    "SearchResult",
 ]
-
-# Switches the planner decides (or that replace data parallelism's gradient all-reduce), which
-# Paddle's `auto` requires to be off. `hybrid_configs` degrees may be set: they fix degrees.
-PLANNED_SWITCHES = (
-    "sharding",
-    "pipeline",
-    "tensor_parallel",
-    "recompute",
-    "gradient_merge",
-    "dgc",
-    "localsgd",
-    "adaptive_localsgd",
-    "fp16_allreduce",
-    "semi_auto",
-    "auto_search",
-)
-
-
-def check_auto_alone(strategy: DistributedStrategy) -> None:
-    """Paddle's rule for `DistributedStrategy.auto`: when it is on, no other parallel switch
-    (`PLANNED_SWITCHES`) may be.
-
-    Raises:
-      ValueError: naming `auto` and the first switch that is on.
-    """
-    on = [name for name in PLANNED_SWITCHES if strategy.auto and getattr(strategy, name)]
-    if on:
-        raise ValueError(
-            f"DistributedStrategy.auto=True and {on[0]}=True: Paddle applies auto only when no "
-            f"other parallel switch is set ({', '.join(PLANNED_SWITCHES)}); turn {on[0]} off "
-            "and let the planner choose, or turn auto off and set the strategy yourself"
-        )
-
 
 # -- device constants ------------------------------------------------------------------------
 
@@ -179,7 +145,7 @@ def device_spec(device: jax.Device | None = None) -> DeviceSpec:
     """The cost-model constants for `device` (default: the first device), from `DEVICE_SPECS`.
 
     Raises:
-      ValueError: for a device kind the table lacks; pass `plan(..., device=DeviceSpec(...))`.
+      ValueError: for a device kind the table lacks; pass `search(..., device=DeviceSpec(...))`.
     """
     device = device if device is not None else jax.devices()[0]
     kind = device.device_kind.lower()
@@ -237,43 +203,7 @@ class HloCost(NamedTuple):
         return compute, self.collectives * device.latency + self.wire_bytes / device.link_bandwidth
 
 
-_MATMUL = re.compile(r"\s(?P<op>dot|convolution|custom-call)\((?P<operands>[^)]*)\)")
-_DOT_DIMS = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
-_GEMM_DIMS = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
-_CONV_LABELS = re.compile(r"dim_labels=\w+_(\w+)->\w+")
-
-
-def _operand_dims(operand: str, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, ...] | None:
-    """An operand's dims: printed inline (`f32[2,3]{1,0} %x`) or looked up by name."""
-    operand = operand.strip()
-    if inline := _hlo.SHAPE.match(operand):
-        return _hlo.dims(inline.group(0))
-    name = _hlo.NAME.search(operand)
-    return shapes.get(name.group(1)) if name else None
-
-
-def _matmul_flops(line: str, shapes: Mapping[str, tuple[int, ...]]) -> float:
-    """2 x multiply-adds of a dot, convolution or library matmul instruction (else 0)."""
-    match, result = _MATMUL.search(line), _hlo.ASSIGN.match(line)
-    if match is None or result is None:
-        return 0.0
-    # Split before each operand (a name, or an inline shape, whose dims hold commas too).
-    operands = re.split(r",\s*(?=[a-z]\w*\[|%)", match["operands"])
-    out = math.prod(_hlo.dims(result["shape"]))
-    if match["op"] == "convolution":
-        labels, kernel = _CONV_LABELS.search(line), _operand_dims(operands[1], shapes)
-        if labels is None or kernel is None:
-            return 0.0
-        return 2.0 * out * math.prod(kernel) / kernel[labels.group(1).index("o")]
-    dims = _DOT_DIMS.search(line) if match["op"] == "dot" else _GEMM_DIMS.search(line)
-    lhs = _operand_dims(operands[0], shapes)
-    if dims is None or lhs is None:
-        return 0.0
-    contracting = [int(d) for d in re.findall(r"\d+", dims.group(1))]
-    return 2.0 * out * math.prod(lhs[d] for d in contracting)
-
-
-def _wire_bytes(c: _hlo.Collective, devices: int) -> float:
+def _wire_bytes(c: hlo.Collective, devices: int) -> float:
     """Bytes one device sends for `c` by ring algorithms; a group the text does not state is
     taken to be all `devices` (an upper bound)."""
     group, result = c.group_size or devices, c.result_bytes
@@ -295,8 +225,8 @@ def hlo_cost(hlo_text: str, device: DeviceSpec, devices: int) -> HloCost:
     """
 
     def measure(line: str, shapes: Mapping[str, tuple[int, ...]]) -> HloCost:
-        total = HloCost(matmul_flops=_matmul_flops(line, shapes))
-        for c in _hlo.collectives(line):
+        total = HloCost(matmul_flops=hlo.matmul_flops(line, shapes))
+        for c in hlo.collectives(line):
             wire = _wire_bytes(c, devices)
             launches = 1.0 if wire or c.op == "collective-permute" else 0.0
             total += HloCost(0.0, float(c.result_bytes), wire, launches)
@@ -305,7 +235,7 @@ def hlo_cost(hlo_text: str, device: DeviceSpec, devices: int) -> HloCost:
     def costliest(branches: list[HloCost]) -> HloCost:
         return max(branches, key=lambda c: sum(c.seconds(device)))
 
-    return _hlo.per_call(hlo_text, measure, HloCost(), costliest)
+    return hlo.per_call(hlo_text, measure, HloCost(), costliest)
 
 
 # -- candidates ------------------------------------------------------------------------------
@@ -512,8 +442,8 @@ class Candidate:
 
 
 @dataclasses.dataclass(frozen=True)
-class AutoPlan:
-    """What `plan` chose and everything it considered; `str()` is the report.
+class SearchResult:
+    """What `search` chose and everything it considered; `str()` is the report.
 
     Attributes:
       strategy: the chosen plan's strategy (a `DistributedStrategy` you may edit).
@@ -669,16 +599,6 @@ def _savers(layout: Layout, rows: int) -> list[Layout]:
     return sorted((v for v in variants if v != layout), key=Layout.order)
 
 
-def _fixed_degrees(strategy: DistributedStrategy) -> dict[str, int]:
-    hybrid = strategy.hybrid_configs
-    fixed = {a: hybrid[f"{a}_degree"] for a in ("dp", "sharding", "mp", "pp")}
-    return {
-        a: d
-        for a, d in fixed.items()
-        if hybrid.is_set(f"{a}_degree") and not (a == "dp" and d == -1)
-    }
-
-
 def _uses_mp(specs: Any) -> bool:
     leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
     return any("mp" in spec_axes(s) for s in leaves if isinstance(s, PartitionSpec))
@@ -763,7 +683,7 @@ class _Planner:
             lowered = step.lower(state, self.batch)
         except (ValueError, TypeError, NotImplementedError) as e:
             return self.add(layout, strategy, CANNOT_APPLY, note=str(e))
-        state_bytes = _state_bytes(state, step.state_sharding)
+        state_bytes = _state_bytes(state, step.placement.state)
         if state_bytes > self.budget and not always_compile:
             note = f"its train state alone is {_size(state_bytes)}"
             return self.add(layout, strategy, OVER_BUDGET, note=note, state_bytes=state_bytes)
@@ -929,7 +849,7 @@ def _budget(memory_budget: float | None) -> tuple[int, str]:
     return int(memory_budget), "given"
 
 
-def plan(
+def search(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
     params: Any,
@@ -942,7 +862,7 @@ def plan(
     device: DeviceSpec | None = None,
     has_aux: bool = False,
     has_rng: bool = False,
-) -> AutoPlan:
+) -> SearchResult:
     """Choose dp / sharding stage / mp / pp degrees, recompute and micro-batching for
     `loss_fn` on `params` and an example global `batch`, by compiling candidate steps (nothing
     runs) and ranking them with the cost model of the module docstring.
@@ -955,8 +875,8 @@ def plan(
       params: the parameters, or their shapes (`jax.ShapeDtypeStruct`s).
       batch: an example global batch (arrays; only shapes are used).
       strategy: what every candidate keeps (AMP, optimizer switches, `recompute_configs`,
-        fixed `hybrid_configs` degrees); its planned switches (`PLANNED_SWITCHES`) must be off.
-        Default: plain `DistributedStrategy()`.
+        fixed `hybrid_configs` degrees); its planned switches
+        (`fleetjax.plan.PLANNED_SWITCHES`) must be off. Default: plain `DistributedStrategy()`.
       memory_budget: bytes per device; default `default_memory_budget()`.
       candidates: strategies or degree dicts (keys of `Layout.KEYS`) to compile instead of
         the search; every one is compiled.
@@ -965,7 +885,7 @@ def plan(
       has_aux, has_rng: as for `make_train_step`.
 
     Returns:
-      The `AutoPlan`: the chosen strategy, every candidate and the reason.
+      The `SearchResult`: the chosen strategy, every candidate and the reason.
 
     Raises:
       ValueError: for a budget that is not a positive number, `auto` with another parallel
@@ -984,7 +904,7 @@ def plan(
             f"fields), got {type(base).__name__}"
         )
     base.auto = True
-    check_auto_alone(base)
+    base_plan = read_plan(base)  # Paddle's rule: no other parallel switch with auto
     budget, source = _budget(memory_budget)
     specs = param_specs if param_specs is not None else partition_specs(params)
     planner = _Planner(
@@ -1022,7 +942,7 @@ def plan(
                     f"layers, head), got {type(params).__name__}"
                 )
             layers = jax.tree.leaves(params.layers)[0].shape[0]
-        fixed = _fixed_degrees(base)
+        fixed = {a: getattr(base_plan.degrees, a) for a in base_plan.set_degrees}
         layouts = _layouts(jax.device_count(), planner.rows, fixed, _uses_mp(specs), layers)
         if not layouts:
             raise ValueError(
@@ -1034,7 +954,7 @@ def plan(
     chosen = planner.best()
     if chosen is None:
         raise ValueError(_nothing_fits(done, budget))
-    return AutoPlan(
+    return SearchResult(
         strategy=copy.deepcopy(chosen.strategy),
         chosen=chosen,
         candidates=done,

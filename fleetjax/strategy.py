@@ -2,16 +2,18 @@
 `ExecutionStrategy`, and the newer `Strategy` (`paddle.distributed.Strategy`).
 
 Strategies are configuration only: they hold and validate settings and read and write
-prototxt; `make_train_step` and `fleet.init` read them. Every field name, config key and default
+prototxt; `fleetjax.plan.read_plan` is what reads them (`fleetjax.applied_strategy(strategy)`
+says what fleetjax does with one). Every field name, config key and default
 is Paddle's (defaults from the seed documents where those differ from Paddle's code; see
 `seed_default_differences`). Where Paddle is quirky, fleetjax is strict:
 
 * assigning a dict to a `*_configs` field updates only the keys given; a list value replaces
   the old list (Paddle appends);
-* an unknown attribute, config key or section raises `UnknownFieldError` listing the valid names;
-* a value of the wrong type raises `TypeError` naming the field and the expected type, a value
-  out of range raises `ValueError` saying what is allowed, and the old value stays (Paddle only
-  warns for many fields);
+* an unknown attribute, config key or section raises `UnknownFieldError` listing the valid names
+  (also a TypeError and a ValueError, what Paddle raises for it);
+* a value of the wrong type raises `TypeError` (also a ValueError, as Paddle's `a_sync`) naming
+  the field and the expected type, a value out of range raises `ValueError` saying what is
+  allowed, and the old value stays (Paddle only warns for many fields);
 * config getters return the live config, so `s.amp_configs["incr_ratio"] = 3.0` takes effect
   (in Paddle it silently does nothing);
 * `repr()` shows the fields that differ from the defaults.
@@ -23,14 +25,12 @@ import enum
 import os
 import tempfile
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fleetjax import _prototxt, _schema
 from fleetjax._config import Message, MessageSpec
 from fleetjax._prototxt import PrototxtError
-
-if TYPE_CHECKING:
-    from fleetjax._applied import AppliedStrategy
+from fleetjax._warnings import warn_once
 
 __all__ = [
     "BuildStrategy",
@@ -55,6 +55,13 @@ class BuildStrategy(_Whole):
 
     Example: `fleetjax.BuildStrategy(fuse_bn_act_ops=True)`. Assigned to
     `DistributedStrategy.build_strategy` it is copied, as in Paddle.
+
+    Besides the proto fields it has the Python-side attributes of Paddle's class
+    (`nccl_comm_num`, `use_hierarchical_allreduce`, `hierarchical_allreduce_inter_nranks`,
+    `sync_batch_norm`, `fuse_all_reduce_ops`, `num_trainers`, `trainer_id`,
+    `trainers_endpoints`, ...), with Paddle's defaults. Paddle's fleet takes the collective ones
+    from the `DistributedStrategy` fields of the same names and the trainer ones from the role
+    maker, and so does fleetjax: setting one here warns once, naming where to set it.
     """
 
     SPEC = _schema.BUILD_STRATEGY
@@ -164,13 +171,24 @@ hybrid_configs={'dp_degree': 2, 'mp_degree': 4})
     def __dir__(self) -> list[str]:
         return sorted(set(super().__dir__()) | set(_ALIASES))
 
-    def explain(self) -> AppliedStrategy:
-        """What fleetjax does with this strategy: the train step's transforms, the optimizer
-        rebuild, the XLA flags and the settings without effect (`print()` it for a table).
-        Validates as `make_train_step` does; see `fleetjax._applied.applied_strategy`."""
-        from fleetjax._applied import applied_strategy  # strategies are config: no JAX at import
-
-        return applied_strategy(self)
+    def _enable_env(self) -> None:
+        """Paddle's `_enable_env`: export the strategy's process-wide tuning as Paddle's
+        `FLAGS_*` environment variables (`FLAGS_cudnn_batchnorm_spatial_persistent`,
+        `FLAGS_conv_workspace_size_limit`, `FLAGS_cudnn_exhaustive_search`,
+        `FLAGS_sync_nccl_allreduce`, `FLAGS_fuse_parameter_memory_size`,
+        `FLAGS_fuse_parameter_groups_size`), as Paddle sets its global flags from them.
+        `fleet.init` reads those variables (see docs/knobs.md) and puts the XLA flags they map
+        to into effect before JAX's backend starts."""
+        values = {
+            "FLAGS_cudnn_batchnorm_spatial_persistent": self.cudnn_batchnorm_spatial_persistent,
+            "FLAGS_conv_workspace_size_limit": int(self.conv_workspace_size_limit),
+            "FLAGS_cudnn_exhaustive_search": self.cudnn_exhaustive_search,
+            "FLAGS_sync_nccl_allreduce": self.sync_nccl_allreduce,
+            "FLAGS_fuse_parameter_memory_size": int(self.fuse_grad_size_in_MB),
+            "FLAGS_fuse_parameter_groups_size": int(self.fuse_grad_size_in_TFLOPS),
+        }
+        for key, value in values.items():
+            os.environ[key] = str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _with_seed_defaults(spec: MessageSpec, values: dict[str, Any]) -> dict[str, Any]:
@@ -193,14 +211,17 @@ class Strategy(_Whole):
 
     Sections: `sharding` (enable, stage 1/2/3, degree, ...), `fused_passes` (enable,
     gemm_epilogue, dropout_add), `gradient_merge` (enable, k_steps, avg), `pipeline` (enable,
-    schedule_mode, micro_batch_size, accumulate_steps, ...), `amp` and `recompute`.
+    schedule_mode, micro_batch_size, accumulate_steps, ...), `amp`, `recompute`,
+    `dp_optimization`, `mp_optimization` and `sp_optimization`; and Paddle's top-level keys
+    (`auto_mode`, `gradient_scale`, `split_data`, `seed`, ..., `full_graph`).
 
     Examples:
       >>> s = fleetjax.Strategy({"sharding": {"enable": True, "stage": 2, "degree": 4}})
       >>> s.gradient_merge.k_steps = 4
 
     Unlike Paddle, unknown sections or keys raise `UnknownFieldError` and values are checked
-    (e.g. `sharding.stage` must be 1, 2 or 3).
+    (e.g. `sharding.stage` must be 1, 2 or 3). A `config` that is not a dict raises a
+    ValueError (and TypeError), as in Paddle.
     """
 
     SPEC = _schema.AUTO_STRATEGY
@@ -208,10 +229,57 @@ class Strategy(_Whole):
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         super().__init__(config)
 
-    def explain(self) -> AppliedStrategy:
-        """What fleetjax does with this strategy: the train step's transforms, the XLA flags and
-        the settings without effect (`print()` it for a table). Validates as `make_train_step`
-        does; see `fleetjax._applied.applied_strategy`."""
-        from fleetjax._applied import applied_strategy  # strategies are config: no JAX at import
+    def _from_legacy_strategy(self, legacy_strategy: Message) -> None:
+        """Paddle's `Strategy._from_legacy_strategy`: take every setting of a
+        `fleetjax.fleet.auto.Strategy` (the older auto-parallel strategy).
 
-        return applied_strategy(self)
+        Its `fused_passes.fused_passes_list` becomes `fused_passes.gemm_epilogue` and
+        `dropout_add` ("fused_gemm_epilogue_pass", "fused_dropout_add_pass"). Paddle drops the
+        sections this Strategy lacks without a word; fleetjax raises for `qat.enable` (training
+        would differ) and warns once for any other of them changed from its default, and for
+        fused passes it has no counterpart of.
+        """
+        _check_legacy(legacy_strategy)
+        values = legacy_strategy.set_values()
+        passes = values.pop("fused_passes", {})
+        names = passes.get("fused_passes_list", [])
+        fused = {key: True for name, key in _LEGACY_PASSES.items() if name in names}
+        for name in _LEGACY_ONLY:
+            values.pop(name, None)
+        self.clear_values()
+        self.update({**values, "fused_passes": {"enable": passes.get("enable", False), **fused}})
+
+
+# The older Strategy's fused passes that the newer one switches by name.
+_LEGACY_PASSES = {
+    "fused_gemm_epilogue_pass": "gemm_epilogue",
+    "fused_dropout_add_pass": "dropout_add",
+}
+# Sections only the older auto-parallel Strategy has.
+_LEGACY_ONLY = ("qat", "tuning", "dataset", "fused_linear_promotion")
+
+
+def _check_legacy(legacy: Message) -> None:
+    """Raise for what `Strategy._from_legacy_strategy` cannot carry over and would change
+    training; warn once for settings without effect."""
+
+    if legacy._spec is not _schema.LEGACY_AUTO_STRATEGY:
+        raise TypeError(
+            f"legacy_strategy must be a fleetjax.fleet.auto.Strategy, got {type(legacy).__name__}"
+        )
+    if legacy.qat.enable:
+        raise NotImplementedError(
+            "fleet.auto.Strategy.qat.enable=True: quantization-aware training is not in "
+            "fleetjax; turn it off to train without it"
+        )
+    for name in _LEGACY_ONLY:
+        if legacy._get(name).non_defaults():
+            note = legacy._spec.field(name).note
+            warn_once(f"fleet.auto.Strategy.{name} has no effect in fleetjax: {note}")
+    for name in legacy.fused_passes.fused_passes_list:
+        if name not in _LEGACY_PASSES:
+            warn_once(
+                f"fleet.auto.Strategy.fused_passes.fused_passes_list: {name!r} has no "
+                f"counterpart in fleetjax (it has {', '.join(_LEGACY_PASSES)}; XLA fuses "
+                "elementwise operations itself)"
+            )

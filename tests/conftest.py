@@ -7,10 +7,16 @@ os.environ["XLA_FLAGS"] = " ".join(
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import jax
 import pytest
 
 import fleetjax
-from fleetjax import _support
+
+# pytest imported fleetjax, and so jax, before this file (pyproject's warning filter names
+# fleetjax.StrategyWarning): jax's config read the environment before JAX_PLATFORMS was set
+# above. No backend has started yet. Without this JAX would also try CUDA where jax's CUDA plugin
+# is installed (the `aot` extra), and log the plugin's failed CUDA-library check.
+jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
 
 pytest_plugins = ["launching"]  # the `launcher` fixture of the tests that run fleetjax-run
 
@@ -18,7 +24,7 @@ pytest_plugins = ["launching"]  # the `launcher` fixture of the tests that run f
 @pytest.fixture(autouse=True)
 def _fresh_warnings():
     """Each test sees each once-per-process strategy warning anew."""
-    _support._warned.clear()
+    fleetjax.StrategyWarning.reset()
     yield
 
 

@@ -3,7 +3,7 @@ types of operations in a lowered (StableHLO) module."""
 
 import re
 
-from fleetjax._hlo import Collective, collectives  # noqa: F401 (re-exported for the tests)
+from fleetjax.hlo import Collective, collectives  # noqa: F401 (re-exported for the tests)
 
 _STABLEHLO_TYPE = re.compile(r"tensor<(?:[\d?]+x)*([a-z]+\d*)>")
 

@@ -10,6 +10,7 @@ from hlo import stablehlo_dtypes
 
 import fleetjax
 from fleetjax.transforms import amp
+from fleetjax.transforms.loss_scale import DynamicLossScale
 
 
 def mlp_loss(params, batch):
@@ -63,23 +64,21 @@ class TestLossScaleUpdate:
         ],
     )
     def test_paddle_cases(self, found_inf, good, bad, scale, expected):
-        state = amp.LossScaleState(jnp.float32(scale), jnp.int32(good), jnp.int32(bad))
-        new = amp.update_loss_scale(
-            state,
-            jnp.asarray(not found_inf),
+        state = DynamicLossScale(
+            jnp.float32(scale),
+            jnp.int32(good),
+            jnp.int32(bad),
             incr_every_n_steps=1000,
             decr_every_n_nan_or_inf=2,
             incr_ratio=2.0,
             decr_ratio=0.5,
         )
+        new = state.adjust(jnp.asarray(not found_inf))
         assert (float(new.loss_scale), int(new.good_steps), int(new.bad_steps)) == expected
 
     def test_no_increase_past_overflow(self):
-        state = amp.LossScaleState(jnp.float32(3e38), jnp.int32(0), jnp.int32(0))
-        new = amp.update_loss_scale(
-            state, jnp.asarray(True), incr_every_n_steps=1, decr_every_n_nan_or_inf=1,
-            incr_ratio=2.0, decr_ratio=0.5,
-        )  # fmt: skip
+        state = DynamicLossScale.create(3e38, incr_every_n_steps=1, decr_every_n_nan_or_inf=1)
+        new = state.adjust(jnp.asarray(True))
         assert float(new.loss_scale) == pytest.approx(3e38)
 
 

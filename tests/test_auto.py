@@ -1,4 +1,4 @@
-"""`fleetjax.auto.plan` (Paddle's `DistributedStrategy.auto`): with a budget too small for pure
+"""`fleetjax.auto.search` (Paddle's `DistributedStrategy.auto`): with a budget too small for pure
 data parallelism it picks a plan whose compiled per-device bytes fit and that trains like one
 device; with a large budget it picks pure data parallelism; every candidate is reported."""
 
@@ -112,11 +112,10 @@ def test_hlo_cost_counts_each_loop_trip_and_the_costlier_branch():
 def test_matmul_flops_are_the_models_and_micro_batches_do_not_hide_them():
     params = mlp_params()
     rows = 64
-    rng = jax.ShapeDtypeStruct((2,), jnp.uint32)
 
     def measured(strategy):
         step = fleetjax.make_train_step(mlp_loss, optax.adam(1e-3), strategy)
-        state = jax.eval_shape(step._initial_state, params, rng)
+        state = step.abstract_init(params)
         compiled = step.lower(state, mlp_batch(rows=rows)).compile()
         return auto.hlo_cost(compiled.as_text(), auto.device_spec(), 8), compiled
 
@@ -137,18 +136,18 @@ def test_matmul_flops_are_the_models_and_micro_batches_do_not_hide_them():
 
 
 def test_large_budget_picks_pure_data_parallelism():
-    plan = auto.plan(mlp_loss, optax.adam(1e-3), mlp_params(), mlp_batch())
-    assert plan.degrees == {"dp": 8, "sharding": 1, "pp": 1, "mp": 1}
-    assert plan.chosen.layout == auto.Layout(8) and plan.chosen.index == 1
+    found = auto.search(mlp_loss, optax.adam(1e-3), mlp_params(), mlp_batch())
+    assert found.degrees == {"dp": 8, "sharding": 1, "pp": 1, "mp": 1}
+    assert found.chosen.layout == auto.Layout(8) and found.chosen.index == 1
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    assert plan.memory_budget == host // 8
-    assert plan.strategy.auto is False and plan.strategy.sharding is False
+    assert found.memory_budget == host // 8
+    assert found.strategy.auto is False and found.strategy.sharding is False
     # Every layout is reported: dp=8 compiled, the nine ZeRO layouts skipped by dominance.
-    layouts = [c.layout for c in plan.candidates]
+    layouts = [c.layout for c in found.candidates]
     assert len(layouts) == 10 and {c.sharding for c in layouts} == {1, 2, 4, 8}
-    assert all(c.note == "#1 fits and costs no more" for c in plan.candidates[1:])
-    report = str(plan)
-    for c in plan.candidates:
+    assert all(c.note == "#1 fits and costs no more" for c in found.candidates[1:])
+    report = str(found)
+    for c in found.candidates:
         assert re.search(rf"^\*?{c.index}\s+{re.escape(str(c.layout))}\s", report, re.M)
     assert "chosen: #1 dp=8: pure data parallelism fits" in report
 
@@ -156,20 +155,20 @@ def test_large_budget_picks_pure_data_parallelism():
 def test_tight_budget_picks_a_plan_that_fits_and_trains_like_one_device():
     budget = 10 * MiB
     params, batches = mlp_params(), [mlp_batch()] * 3  # one batch: the loss must fall
-    plan = auto.plan(mlp_loss, optax.adam(1e-3), params, batches[0], memory_budget=budget)
-    pure = plan.candidates[0]
+    found = auto.search(mlp_loss, optax.adam(1e-3), params, batches[0], memory_budget=budget)
+    pure = found.candidates[0]
     assert pure.layout == auto.Layout(8) and pure.device_bytes > budget
     assert pure.status == "over budget"
-    assert plan.chosen.fits and plan.chosen.device_bytes <= budget
-    assert plan.chosen.layout.sharding > 1
+    assert found.chosen.fits and found.chosen.device_bytes <= budget
+    assert found.chosen.layout.sharding > 1
     # The fastest that fits: no compiled candidate that fits is estimated faster.
-    fitting = [c for c in plan.candidates if c.fits]
-    assert plan.chosen.time_s == min(c.time_s for c in fitting)
-    assert "pure data parallelism needs 20.0 MiB per device, over the budget" in plan.reason
+    fitting = [c for c in found.candidates if c.fits]
+    assert found.chosen.time_s == min(c.time_s for c in fitting)
+    assert "pure data parallelism needs 20.0 MiB per device, over the budget" in found.reason
 
-    step = plan.make_train_step()
+    step = found.make_train_step()
     state, losses = train(step, params, batches)
-    assert compiled_bytes(step, state, batches[0]) == plan.chosen.device_bytes
+    assert compiled_bytes(step, state, batches[0]) == found.chosen.device_bytes
     expected_params, expected_losses = one_device(mlp_loss, params, batches, optax.adam(1e-3))
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     assert np.all(np.diff(losses) < 0)
@@ -195,21 +194,21 @@ def test_memory_savers_where_only_the_activations_overflow():
         for r in map(np.random.RandomState, (1, 2))
     ]
     strategy = fleetjax.DistributedStrategy(hybrid_configs={"dp_degree": 8})
-    plan = auto.plan(
+    found = auto.search(
         deep_loss, optax.sgd(0.1), params, batches[0], strategy=strategy, memory_budget=2.9 * MiB
     )
-    base, chosen = plan.candidates[0], plan.chosen
+    base, chosen = found.candidates[0], found.chosen
     assert base.layout == auto.Layout(8) and base.status == "over budget"
     assert base.state_bytes < 2.9 * MiB < base.device_bytes
     assert chosen.layout == auto.Layout(8, micro_batches=8) and chosen.fits
     assert chosen.cost.matmul_flops == base.cost.matmul_flops
     assert chosen.cost.wire_bytes == base.cost.wire_bytes
-    recomputed = [c for c in plan.candidates if c.layout.recompute]
+    recomputed = [c for c in found.candidates if c.layout.recompute]
     assert recomputed and all(c.status == "skipped" for c in recomputed)
 
     # Recompute alone, when asked for: the forward matmuls run again (8 forward, 8
     # weight-gradient and 8 input-gradient ones, plus 8 recomputed), and it fits too.
-    plan = auto.plan(
+    found = auto.search(
         deep_loss,
         optax.sgd(0.1),
         params,
@@ -218,13 +217,13 @@ def test_memory_savers_where_only_the_activations_overflow():
         memory_budget=2.9 * MiB,
         candidates=[{"dp": 8}, {"dp": 8, "recompute": True}],
     )
-    base, chosen = plan.candidates
-    assert chosen.layout == auto.Layout(8, recompute=True) and plan.chosen is chosen
+    base, chosen = found.candidates
+    assert chosen.layout == auto.Layout(8, recompute=True) and found.chosen is chosen
     assert chosen.cost.matmul_flops == base.cost.matmul_flops * 4 / 3
-    assert plan.strategy.recompute and plan.strategy.recompute_configs["policy"] == (
+    assert found.strategy.recompute and found.strategy.recompute_configs["policy"] == (
         "nothing_saveable"
     )
-    step = plan.make_train_step()
+    step = found.make_train_step()
     state, losses = train(step, params, batches)
     assert compiled_bytes(step, state, batches[0]) <= 2.9 * MiB
     _, expected = one_device(deep_loss, params, batches, optax.sgd(0.1))
@@ -240,7 +239,7 @@ def test_given_candidates_are_exactly_the_ones_compiled():
         sharding_configs={"sharding_degree": 8, "stage": 2},
         hybrid_configs={"dp_degree": 1, "sharding_degree": 8},
     )
-    plan = auto.plan(
+    found = auto.search(
         mlp_loss,
         optax.adam(1e-3),
         mlp_params(),
@@ -248,11 +247,11 @@ def test_given_candidates_are_exactly_the_ones_compiled():
         memory_budget=10 * MiB,
         candidates=[{"sharding": 8, "stage": 3}, zero2, {"dp": 8}],
     )
-    layouts = [c.layout for c in plan.candidates]
+    layouts = [c.layout for c in found.candidates]
     assert layouts == [auto.Layout(1, 8, 3), auto.Layout(1, 8, 2), auto.Layout(8)]
-    assert all(c.device_bytes is not None for c in plan.candidates)
-    assert [c.fits for c in plan.candidates] == [True, True, False]
-    assert plan.chosen.layout in layouts[:2]
+    assert all(c.device_bytes is not None for c in found.candidates)
+    assert [c.fits for c in found.candidates] == [True, True, False]
+    assert found.chosen.layout in layouts[:2]
 
 
 @pytest.mark.parametrize(
@@ -269,7 +268,7 @@ def test_given_candidates_are_exactly_the_ones_compiled():
 )
 def test_bad_candidates_are_named(candidate, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        auto.plan(mlp_loss, optax.sgd(0.1), mlp_params(), mlp_batch(), candidates=[candidate])
+        auto.search(mlp_loss, optax.sgd(0.1), mlp_params(), mlp_batch(), candidates=[candidate])
 
 
 def test_fixed_degrees_and_the_distributed_optimizers_strategy():
@@ -279,12 +278,12 @@ def test_fixed_degrees_and_the_distributed_optimizers_strategy():
         auto=True, amp=True, hybrid_configs={"sharding_degree": 4}
     )
     optimizer = fleetjax.distributed_optimizer(optax.adam(1e-3), strategy)
-    plan = auto.plan(mlp_loss, optimizer, mlp_params(), mlp_batch())
-    assert {(c.layout.dp, c.layout.sharding) for c in plan.candidates} == {(2, 4)}
-    assert sorted(c.layout.stage for c in plan.candidates) == [1, 2, 3]
-    assert plan.degrees["sharding"] == 4 and plan.strategy.sharding
-    assert plan.strategy.amp and not plan.strategy.auto
-    assert plan.optimizer is optimizer.user
+    found = auto.search(mlp_loss, optimizer, mlp_params(), mlp_batch())
+    assert {(c.layout.dp, c.layout.sharding) for c in found.candidates} == {(2, 4)}
+    assert sorted(c.layout.stage for c in found.candidates) == [1, 2, 3]
+    assert found.degrees["sharding"] == 4 and found.strategy.sharding
+    assert found.strategy.amp and not found.strategy.auto
+    assert found.optimizer is optimizer.user
 
 
 # -- bad input --------------------------------------------------------------------------------
@@ -294,12 +293,12 @@ def test_fixed_degrees_and_the_distributed_optimizers_strategy():
 def test_memory_budget_must_be_a_positive_number(budget):
     message = f"memory_budget must be a positive number of bytes per device, got {budget!r}"
     with pytest.raises(ValueError, match=re.escape(message)):
-        auto.plan(mlp_loss, optax.sgd(0.1), mlp_params(), mlp_batch(), memory_budget=budget)
+        auto.search(mlp_loss, optax.sgd(0.1), mlp_params(), mlp_batch(), memory_budget=budget)
 
 
 def test_nothing_fits_names_the_smallest_candidate_and_the_budget():
     with pytest.raises(ValueError) as error:
-        auto.plan(mlp_loss, optax.adam(1e-3), mlp_params(), mlp_batch(), memory_budget=MiB)
+        auto.search(mlp_loss, optax.adam(1e-3), mlp_params(), mlp_batch(), memory_budget=MiB)
     message = str(error.value)
     # ZeRO-3 over 8 devices holds an eighth of the parameters and of both Adam moments: 1.5 MiB.
     assert message.startswith(
@@ -316,13 +315,14 @@ def test_nothing_fits_names_the_smallest_candidate_and_the_budget():
 def test_auto_with_another_parallel_switch_is_an_error_naming_both(switch):
     strategy = fleetjax.DistributedStrategy(auto=True, **{switch: True})
     with pytest.raises(ValueError, match=rf"^DistributedStrategy.auto=True and {switch}=True: "):
-        auto.plan(mlp_loss, optax.sgd(0.1), mlp_params(), mlp_batch(), strategy=strategy)
-    auto.check_auto_alone(fleetjax.DistributedStrategy(**{switch: True}))  # auto off: fine
+        auto.search(mlp_loss, optax.sgd(0.1), mlp_params(), mlp_batch(), strategy=strategy)
 
 
 def test_strategy_must_be_a_distributed_strategy():
     with pytest.raises(TypeError, match="strategy must be a fleetjax.DistributedStrategy"):
-        auto.plan(mlp_loss, optax.sgd(0.1), mlp_params(), mlp_batch(), strategy=fleetjax.Strategy())
+        auto.search(
+            mlp_loss, optax.sgd(0.1), mlp_params(), mlp_batch(), strategy=fleetjax.Strategy()
+        )
 
 
 def test_device_constants_must_be_positive():
@@ -356,9 +356,9 @@ def gpt_reference(model, params, batches):
     return train(step, params, batches)[1]
 
 
-def check_gpt_plan(plan, model, params, batches, budget):
-    assert plan.chosen.fits and plan.chosen.device_bytes <= budget
-    step = plan.make_train_step()
+def check_gpt_search(found, model, params, batches, budget):
+    assert found.chosen.fits and found.chosen.device_bytes <= budget
+    step = found.make_train_step()
     state, losses = train(step, params, batches)
     assert compiled_bytes(step, state, batches[0]) <= budget
     np.testing.assert_allclose(losses, gpt_reference(model, params, batches), rtol=2e-6)
@@ -369,7 +369,7 @@ def check_gpt_plan(plan, model, params, batches, budget):
 def test_gpt_given_candidates_under_a_tight_budget(gpt):
     model, params, batches = gpt
     budget = 350 * KiB
-    plan = auto.plan(
+    found = auto.search(
         model.loss_fn,
         optax.adam(1e-2),
         params,
@@ -378,27 +378,27 @@ def test_gpt_given_candidates_under_a_tight_budget(gpt):
         memory_budget=budget,
         candidates=[{"dp": 8}, {"mp": 8}],
     )
-    pure, tensor = plan.candidates
+    pure, tensor = found.candidates
     assert pure.device_bytes > budget and not pure.fits
-    assert plan.chosen is tensor and plan.degrees["mp"] == 8
-    check_gpt_plan(plan, model, params, batches, budget)
+    assert found.chosen is tensor and found.degrees["mp"] == 8
+    check_gpt_search(found, model, params, batches, budget)
 
 
 @pytest.mark.slow
 def test_gpt_search_with_a_large_budget_picks_pure_data_parallelism(gpt):
     model, params, batches = gpt
-    plan = auto.plan(
+    found = auto.search(
         model.loss_fn, optax.adam(1e-2), params, batches[0], param_specs=model.partition_specs()
     )
-    assert plan.degrees == {"dp": 8, "sharding": 1, "pp": 1, "mp": 1}
-    assert {c.layout.mp for c in plan.candidates} == {1, 2, 4, 8}  # mp: the specs split it
+    assert found.degrees == {"dp": 8, "sharding": 1, "pp": 1, "mp": 1}
+    assert {c.layout.mp for c in found.candidates} == {1, 2, 4, 8}  # mp: the specs split it
 
 
 @pytest.mark.slow
 def test_gpt_search_with_a_tight_budget_fits_and_trains_like_one_device(gpt):
     model, params, batches = gpt
     budget = 300 * KiB
-    plan = auto.plan(
+    found = auto.search(
         model.loss_fn,
         optax.adam(1e-2),
         params,
@@ -406,10 +406,10 @@ def test_gpt_search_with_a_tight_budget_fits_and_trains_like_one_device(gpt):
         param_specs=model.partition_specs(),
         memory_budget=budget,
     )
-    assert plan.candidates[0].device_bytes > budget
+    assert found.candidates[0].device_bytes > budget
     # Pruning keeps planning to a handful of compiles per device-count factor.
-    assert sum(c.device_bytes is not None for c in plan.candidates) <= 20
-    check_gpt_plan(plan, model, params, batches, budget)
+    assert sum(c.device_bytes is not None for c in found.candidates) <= 20
+    check_gpt_search(found, model, params, batches, budget)
 
 
 @pytest.mark.slow
@@ -417,7 +417,7 @@ def test_gpt_pipeline_layer_adds_pipeline_candidates(gpt):
     model, params, batches = gpt
     layer = PipelineLayer(model.embed, model.stage, model.head_loss)
     specs = model.pipeline_params(model.partition_specs())
-    plan = auto.plan(
+    found = auto.search(
         layer,
         optax.adam(1e-2),
         model.pipeline_params(params),
@@ -425,29 +425,29 @@ def test_gpt_pipeline_layer_adds_pipeline_candidates(gpt):
         param_specs=specs,
         memory_budget=400 * KiB,
     )
-    piped = [c for c in plan.candidates if c.layout.pp == 2]
+    piped = [c for c in found.candidates if c.layout.pp == 2]
     assert piped and all(c.strategy.pipeline for c in piped)
     assert {c.layout.micro_batches for c in piped} >= {2}
     compiled = [c for c in piped if c.cost is not None]
     assert compiled and all(math.isfinite(c.time_s) for c in compiled)
     # The stage is not marked with fleetjax.recompute: one recompute candidate says so when
     # lowered, the later ones are skipped for it.
-    failed = [c for c in plan.candidates if c.status == "cannot apply"]
+    failed = [c for c in found.candidates if c.status == "cannot apply"]
     assert len(failed) == 1 and "marks no layer with fleetjax.recompute" in failed[0].note
     skipped = [
-        c for c in plan.candidates if c.note == f"recompute cannot apply (#{failed[0].index})"
+        c for c in found.candidates if c.note == f"recompute cannot apply (#{failed[0].index})"
     ]
     assert skipped and all(c.layout.recompute for c in skipped)
-    assert plan.chosen.fits and plan.chosen.device_bytes <= 400 * KiB
+    assert found.chosen.fits and found.chosen.device_bytes <= 400 * KiB
 
 
 def test_make_train_step_points_to_the_planner():
     strategy = fleetjax.DistributedStrategy(auto=True)
-    with pytest.raises(ValueError, match=r"auto=True: the planner needs .*fleetjax\.auto\.plan"):
+    with pytest.raises(ValueError, match=r"auto=True: the planner needs .*fleetjax\.auto\.search"):
         fleetjax.make_train_step(lambda p, b: jnp.sum(p["w"] * b), optax.sgd(0.1), strategy)
 
 
 def test_auto_with_another_parallel_switch_names_both():
     strategy = fleetjax.DistributedStrategy(auto=True, sharding=True)
     with pytest.raises(ValueError, match=r"auto=True and sharding=True"):
-        strategy.explain()  # validates as fleet.init and make_train_step do
+        fleetjax.read_plan(strategy)  # as fleet.init and make_train_step do

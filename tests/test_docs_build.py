@@ -22,6 +22,8 @@ PUBLIC_MODULES = (
     "fleetjax",
     "fleetjax.fleet",
     "fleetjax.fleet.role_maker",
+    "fleetjax.fleet.auto",
+    "fleetjax.fleet.utils",
     "fleetjax.optimizers",
     "fleetjax.mesh",
     "fleetjax.checkpoint",
@@ -34,6 +36,7 @@ PUBLIC_MODULES = (
     "fleetjax.layers",
     "fleetjax.xla_flags",
     "fleetjax.auto",
+    "fleetjax.targets",
 )
 
 

@@ -4,7 +4,7 @@ import optax
 import pytest
 
 import fleetjax
-from fleetjax import fleet
+from fleetjax import StrategyWarning, fleet
 from fleetjax.fleet import PaddleCloudRoleMaker, Role, UserDefinedRoleMaker
 
 ENDPOINTS = "10.0.0.1:6170,10.0.0.1:6171,10.0.0.2:6170"
@@ -41,8 +41,6 @@ class TestRoleMakers:
     @pytest.mark.parametrize(
         ("env", "message"),
         [
-            ({"PADDLE_TRAINERS_NUM": "4", "PADDLE_TRAINER_ENDPOINTS": ENDPOINTS},
-             "PADDLE_TRAINERS_NUM=4 but PADDLE_TRAINER_ENDPOINTS lists 3 endpoints"),
             ({"PADDLE_TRAINER_ID": "3", "PADDLE_TRAINER_ENDPOINTS": ENDPOINTS},
              "worker index 3 is outside 0..2 for 3 worker endpoints"),
             ({"PADDLE_TRAINER_ID": "one"}, "PADDLE_TRAINER_ID must be an integer, got 'one'"),
@@ -56,6 +54,16 @@ class TestRoleMakers:
     def test_bad_environment(self, env, message):
         with pytest.raises(ValueError, match=message):
             PaddleCloudRoleMaker(environ=env)
+
+    def test_trainers_num_differing_from_the_endpoints_warns_and_counts_endpoints(self):
+        env = {"PADDLE_TRAINERS_NUM": "2", "PADDLE_TRAINER_ENDPOINTS": "127.0.0.1:36000"}
+        with pytest.warns(
+            StrategyWarning,
+            match=r"PADDLE_TRAINERS_NUM=2 but PADDLE_TRAINER_ENDPOINTS lists 1 endpoint\(s\) "
+            r"\(127.0.0.1:36000\): the worker count is the endpoint count, 1, as in Paddle",
+        ):
+            role = PaddleCloudRoleMaker(environ=env)
+        assert (role.worker_num, role._worker_num(), role.is_distributed) == (1, 1, False)
 
     def test_user_defined(self):
         role = UserDefinedRoleMaker(current_id=1, worker_endpoints=["h1:1", "h2:1"])
@@ -185,7 +193,7 @@ class TestUtil:
         util.barrier()
         with pytest.raises(ValueError, match="mode must be one of sum, mean, max, min"):
             util.all_reduce(1, mode="prod")
-        with pytest.raises(NotImplementedError, match="only 'worker' exists"):
+        with pytest.raises(NotImplementedError, match="collective mode has only workers"):
             util.all_reduce(1, comm_world="server")
 
     @pytest.mark.parametrize(
@@ -199,7 +207,8 @@ class TestUtil:
     )
     def test_get_file_shard_paddle_semantics(self, fresh_fleet, index, count, files, expected):
         endpoints = [f"127.0.0.1:{7000 + i}" for i in range(count)]
-        fresh_fleet._role = UserDefinedRoleMaker(current_id=index, worker_endpoints=endpoints)
+        role = UserDefinedRoleMaker(current_id=index, worker_endpoints=endpoints)
+        fresh_fleet.util._set_role_maker(role)
         assert fresh_fleet.util.get_file_shard(files) == expected
 
     def test_get_file_shard_needs_a_list(self, fresh_fleet):

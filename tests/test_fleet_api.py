@@ -1,6 +1,6 @@
 """The rest of Paddle's Fleet API: `distributed_model`, the stateful `Trainer` (minimize,
 backward / step / clear_grad) against the functional step, the optimizer's state_dict and
-learning rate, and what `applied_strategy` / `strategy.explain()` report."""
+learning rate, and what `applied_strategy` reports."""
 
 import pathlib
 import warnings
@@ -15,13 +15,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import fleetjax
-from fleetjax import StrategyWarning, fleet, optimizers, xla_flags
-from fleetjax._applied import applied_strategy
-from fleetjax._plan import read_plan
+from fleetjax import StrategyWarning, applied_strategy, distributed_model, fleet, optimizers
 from fleetjax.fleet import Trainer
-from fleetjax.fleet._model import distributed_model
 from fleetjax.layers import BatchNorm, ColumnParallelLinear, RowParallelLinear, partition_specs
-from fleetjax.mesh import batch_sharding, mesh_from_strategy
+from fleetjax.mesh import batch_sharding
+from fleetjax.plan import mesh_for, read_plan
 from fleetjax.transforms.pipeline import PipelineParams
 
 DS = fleetjax.DistributedStrategy
@@ -92,7 +90,7 @@ ZERO3_MP = DS(
 
 
 def test_places_an_nnx_model_as_the_step_places_its_parameters():
-    mesh = mesh_from_strategy(ZERO3_MP)
+    mesh = mesh_for(read_plan(ZERO3_MP))
     model = Megatron()
     specs = nnx.to_pure_dict(partition_specs(nnx.state(model, nnx.Param)))
     step = fleetjax.make_train_step(
@@ -110,7 +108,7 @@ def test_places_an_nnx_model_as_the_step_places_its_parameters():
 
 def test_places_pytrees_and_linen_variables():
     strategy = DS(hybrid_configs={"dp_degree": 4, "mp_degree": 2})
-    mesh = mesh_from_strategy(strategy)
+    mesh = mesh_for(read_plan(strategy))
     params = distributed_model({"w": np.ones((4, 8), np.float32)}, strategy, mesh)
     assert params["w"].sharding.is_fully_replicated and params["w"].sharding.mesh == mesh
 
@@ -132,7 +130,7 @@ def test_places_pytrees_and_linen_variables():
 def test_linen_batch_norm_cannot_follow_local_statistics():
     strategy, variables = DS(), {"params": {}, "batch_stats": {"mean": np.zeros(3, np.float32)}}
     with pytest.warns(StrategyWarning, match="cannot convert flax linen BatchNorm"):
-        distributed_model(variables, strategy, mesh_from_strategy(strategy))
+        distributed_model(variables, strategy, mesh_for(read_plan(strategy)))
 
 
 def run_norm(layer, mesh, x):
@@ -154,7 +152,7 @@ def run_norm(layer, mesh, x):
 @pytest.mark.parametrize("sync", [True, False])
 def test_nnx_batch_norm_becomes_fleetjax_batch_norm_honouring_sync_batch_norm(sync):
     strategy = DS(sync_batch_norm=sync)  # dp=8
-    mesh = mesh_from_strategy(strategy)
+    mesh = mesh_for(read_plan(strategy))
     model = Megatron()
     model.norm.scale[...] = jnp.arange(64.0) / 64 + 0.5
     model.norm.mean[...] = jnp.full(64, 0.25)
@@ -182,7 +180,7 @@ def test_nnx_batch_norm_becomes_fleetjax_batch_norm_honouring_sync_batch_norm(sy
 
 
 def test_fleetjax_batch_norms_follow_the_strategy():
-    mesh = mesh_from_strategy(DS())
+    mesh = mesh_for(read_plan(DS()))
     explicit_sync, local = BatchNorm(4, sync=True), BatchNorm(4, replicas=2)
     distributed_model(nnx.List([explicit_sync, local]), DS(), mesh)
     assert explicit_sync.sync and explicit_sync.groups == 1  # Paddle never converts back
@@ -193,7 +191,7 @@ def test_fleetjax_batch_norms_follow_the_strategy():
 
 def test_a_batch_norm_model_is_returned_converted():
     converted = distributed_model(
-        nnx.BatchNorm(3, rngs=nnx.Rngs(0)), DS(), mesh_from_strategy(DS())
+        nnx.BatchNorm(3, rngs=nnx.Rngs(0)), DS(), mesh_for(read_plan(DS()))
     )
     assert isinstance(converted, BatchNorm) and converted.groups == 8
 
@@ -209,12 +207,12 @@ def test_batch_norms_that_cannot_be_converted(kwargs, message):
     model = Megatron()
     model.norm = nnx.BatchNorm(64, rngs=nnx.Rngs(0), **kwargs)
     with pytest.raises(ValueError, match=message):
-        distributed_model(model, DS(), mesh_from_strategy(DS()))
+        distributed_model(model, DS(), mesh_for(read_plan(DS())))
 
 
 def test_pipeline_places_the_stacked_layers_over_pp():
     strategy = DS(pipeline=True, hybrid_configs={"pp_degree": 2})
-    mesh = mesh_from_strategy(strategy)
+    mesh = mesh_for(read_plan(strategy))
     parts = PipelineParams({"e": np.ones(4, np.float32)}, {"w": np.ones((4, 8, 8), np.float32)}, {})
     placed = distributed_model(parts, strategy, mesh)
     assert placed.layers["w"].sharding.spec == P("pp")  # layers split by stage
@@ -459,8 +457,8 @@ def test_explain_reports_the_plan():
         lars=True,
         sync_batch_norm=True,
     )
-    report = strategy.explain()
-    assert report == applied_strategy(strategy) and report.plan == read_plan(strategy)
+    report = applied_strategy(strategy)
+    assert report.plan == read_plan(strategy)
     assert report.mesh == {"dp": -1, "sharding": 2, "pp": 1, "mp": 2}
     assert [s.feature for s in report.applied] == [
         "data parallel", "tensor parallel", "sharding", "amp", "recompute", "gradient merge",
@@ -497,8 +495,8 @@ def test_docs_show_what_explain_prints():
         nccl_comm_num=2,
         fuse_grad_size_in_MB=16,
     )
-    with pytest.warns(StrategyWarning, match="nccl_comm_num has no effect"):
-        assert str(strategy.explain()) == shown
+    with pytest.warns(StrategyWarning, match="nccl_comm_num=2 has no effect"):
+        assert str(applied_strategy(strategy)) == shown
 
 
 def test_explain_an_auto_parallel_strategy():
@@ -509,7 +507,7 @@ def test_explain_an_auto_parallel_strategy():
             "pipeline": {"enable": True, "pp_degree": 2, "schedule_mode": "VPP", "vpp_degree": 2},
         }
     )
-    how = dict(strategy.explain().applied)
+    how = dict(applied_strategy(strategy).applied)
     assert how["amp"] == "bfloat16 O2, no loss scaling"
     assert how["pipeline"] == "VPP over pp=2, micro_batch_size=1, accumulate_steps=1, vpp_degree=2"
     assert (
@@ -519,8 +517,8 @@ def test_explain_an_auto_parallel_strategy():
 
 
 def test_explain_lists_the_xla_flags(every_flag_strategy):
-    report = every_flag_strategy.explain()
-    assert report.xla_flags == xla_flags.flags_for(every_flag_strategy)
+    report = applied_strategy(every_flag_strategy)
+    assert report.xla_flags == read_plan(every_flag_strategy).xla_flags
     lines = str(report).splitlines()
     assert any(
         "--xla_gpu_autotune_level=0" in line and line.endswith("cudnn_exhaustive_search=False")
@@ -540,7 +538,7 @@ def test_no_effect_lists_exactly_what_warns():
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        report = strategy.explain()
+        report = applied_strategy(strategy)
     warned = [str(w.message) for w in caught if issubclass(w.category, StrategyWarning)]
     assert len(report.ignored) == len(warned) == 5
     for knob, why in report.ignored:
@@ -558,7 +556,7 @@ def test_fleet_applied_strategy(fresh_fleet, every_flag_strategy):
     report = f.applied_strategy()
     assert report.mesh == {"dp": 4, "sharding": 1, "pp": 1, "mp": 2}
     assert report.xla_flags == ()  # the backend had started: none is in effect
-    asked = xla_flags.flags_for(every_flag_strategy)
+    asked = read_plan(every_flag_strategy).xla_flags
     missing = [(i.knob, i.why) for i in report.ignored if "is not in effect" in i.why]
     assert [knob for knob, _ in missing] == [f.knob for f in asked]
     assert f"{asked[0]} is not in effect" in missing[0][1]

@@ -164,4 +164,4 @@ def test_sharding_gradient_merge_acc_step():
         fleetjax.make_train_step(loss_fn, optax.sgd(0.1), s)
     s.gradient_merge = False  # the sharding key alone merges across calls
     step = fleetjax.make_train_step(loss_fn, optax.sgd(0.1), s)
-    assert step.plan.gradient_merge == fleetjax._plan.GradientMerge(2, True, False)
+    assert step.plan.gradient_merge == fleetjax.plan.GradientMerge(2, True, False)

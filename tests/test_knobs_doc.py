@@ -4,18 +4,20 @@ what fleetjax really does when each knob is set (warns, raises or stays silent).
 import pathlib
 import re
 import warnings
+from typing import Any
 
 import pytest
 
 import fleetjax
-from fleetjax import _schema, _support, xla_flags
-from fleetjax._config import FieldSpec, MessageSpec
-from fleetjax.mesh import strategy_degrees
+from fleetjax.plan import XLA_FUSES, read_plan
 
 DOC = pathlib.Path(__file__).parent.parent / "docs" / "knobs.md"
 KINDS = {"feature", "XLA flag", "XLA default", "no JAX meaning", "not yet"}
 WHEN = {"applied", "warns", "raises", "silent"}
-SPECS = {"DistributedStrategy": _schema.DISTRIBUTED_STRATEGY, "Strategy": _schema.AUTO_STRATEGY}
+SPECS = {
+    "DistributedStrategy": fleetjax.DistributedStrategy.SPEC,
+    "Strategy": fleetjax.Strategy.SPEC,
+}
 _ROW = re.compile(
     r"^\| `(?P<path>[\w.]+)` \| (?P<kind>[^|]+) \| (?P<when>[^|]+) \| (?P<text>.+) \|$"
 )
@@ -37,7 +39,7 @@ def doc_rows() -> dict[str, tuple[str, str, str]]:
 ROWS = doc_rows()
 
 
-def _notes(spec: MessageSpec) -> set[str | None]:
+def _notes(spec: Any) -> set[str | None]:
     found: set[str | None] = set()
     for f in spec.fields:
         if f.is_message and not f.repeated and not f.note:
@@ -47,7 +49,7 @@ def _notes(spec: MessageSpec) -> set[str | None]:
     return found
 
 
-def schema_rows(spec: MessageSpec, prefix: str = "") -> dict[str, str | None]:
+def schema_rows(spec: Any, prefix: str = "") -> dict[str, str | None]:
     """{path: note} for every field; a nested message that carries a note, or whose fields all
     share one note, is one row."""
     out = {}
@@ -104,7 +106,7 @@ def test_xla_flag_rows_are_the_knobs_fleetjax_maps_and_name_their_flags(
 ):
     mapped: dict[str, set[str]] = {}
     for strategy in strategies_asking_for_every_flag:
-        for flag in xla_flags.flags_for(strategy):
+        for flag in read_plan(strategy).xla_flags:
             for setting in flag.knob.split(", "):
                 key = f"{type(strategy).__name__}.{setting.split('=')[0]}"
                 mapped.setdefault(key, set()).add(flag.name)
@@ -118,12 +120,12 @@ def test_xla_flag_rows_are_the_knobs_fleetjax_maps_and_name_their_flags(
 def test_flag_table_names_every_mapped_flag(strategies_asking_for_every_flag):
     intro = DOC.read_text().split("## DistributedStrategy")[0]
     for strategy in strategies_asking_for_every_flag:
-        for flag in xla_flags.flags_for(strategy):
+        for flag in read_plan(strategy).xla_flags:
             assert f"--{flag.name}" in intro
 
 
 def test_knobs_xla_handles_itself_are_marked_so():
-    for key in xla_flags.XLA_FUSES:
+    for key in XLA_FUSES:
         assert ROWS[key][0] == "XLA default", key
     for key, note in SCHEMA.items():
         if note:  # the schema's reason is the row's
@@ -138,12 +140,14 @@ def _flat(text: str) -> str:
 # -- what fleetjax does when a knob is set -----------------------------------------------------
 
 
-def _other_value(field: FieldSpec):
+def _other_value(field: Any):
     """A valid value of `field` other than its default."""
     if field.repeated:
         if field.is_message:
             return [{field.type.fields[1].name: 1}]
         return [{str: "x", int: 1, float: 0.5}[field.type]]
+    if field.default is None:  # an optional field: any value is another one
+        return {bool: True, int: 1, float: 1.0, str: "x"}[field.type]
     if field.type is bool:
         return not field.default
     if field.type is str:
@@ -175,23 +179,21 @@ def strategy_setting(key: str):
 
 
 def outcome(strategy) -> tuple[list[str], Exception | None]:
-    """The warnings, and the NotImplementedError if any, of making a step's plan and mesh."""
-    _support._warned.clear()
+    """The warnings, and the NotImplementedError if any, of reading the strategy's plan."""
+    fleetjax.StrategyWarning.reset()
     error = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            _support.check_supported(strategy)
-            strategy_degrees(strategy)
+            read_plan(strategy)
         except NotImplementedError as e:
             error = e
-        xla_flags.warn_ignored(strategy)
     return [str(w.message) for w in caught], error
 
 
 def _named(messages: list[str], key: str) -> bool:
     owner, path = key.split(".", 1)
-    # _support's older message names only the top-level field of a performance knob.
+    # A performance knob's message may name only its top-level field.
     generic = f"{owner}.{path.split('.')[0]} is a performance setting"
     return any(f"{owner}.{path}" in m or generic in m for m in messages)
 

@@ -6,7 +6,8 @@ import pytest
 from jax.sharding import AxisType
 
 import fleetjax
-from fleetjax.mesh import build_mesh, mesh_from_strategy, strategy_degrees
+from fleetjax.mesh import build_mesh
+from fleetjax.plan import mesh_for, read_plan, strategy_degrees
 
 
 def test_default_is_pure_data_parallel_over_all_devices():
@@ -67,19 +68,19 @@ def test_errors(kwargs, message):
 def test_degrees_from_hybrid_configs():
     s = fleetjax.DistributedStrategy()
     s.hybrid_configs = {"dp_degree": 2, "mp_degree": 2, "pp_degree": 2}
-    assert strategy_degrees(s) == {"dp": 2, "sharding": 1, "pp": 2, "mp": 2}
+    assert strategy_degrees(s)._asdict() == {"dp": 2, "sharding": 1, "pp": 2, "mp": 2}
     s.hybrid_configs = {"order": ["mp", "pp", "sharding", "dp"]}
-    assert mesh_from_strategy(s).axis_names == ("mp", "pp", "sharding", "dp")
+    assert mesh_for(read_plan(s)).axis_names == ("mp", "pp", "sharding", "dp")
 
 
 def test_degrees_from_sharding_configs():
     s = fleetjax.DistributedStrategy()
     s.sharding = True
-    assert strategy_degrees(s) == {"dp": -1, "sharding": 8, "pp": 1, "mp": 1}
+    assert strategy_degrees(s)._asdict() == {"dp": -1, "sharding": 8, "pp": 1, "mp": 1}
     s.sharding_configs = {"sharding_degree": 4, "dp_degree": 2}
-    assert strategy_degrees(s) == {"dp": 2, "sharding": 4, "pp": 1, "mp": 1}
+    assert strategy_degrees(s)._asdict() == {"dp": 2, "sharding": 4, "pp": 1, "mp": 1}
     s.hybrid_configs = {"sharding_degree": 4}  # the same value twice is fine
-    assert strategy_degrees(s)["sharding"] == 4
+    assert strategy_degrees(s).sharding == 4
 
 
 def test_inconsistent_degrees_are_an_error():
@@ -97,14 +98,14 @@ def test_inconsistent_degrees_are_an_error():
 def test_sharding_configs_ignored_when_sharding_is_off():
     s = fleetjax.DistributedStrategy()
     s.sharding_configs = {"sharding_degree": 4}
-    assert strategy_degrees(s)["sharding"] == 1
+    assert strategy_degrees(s).sharding == 1
 
 
 def test_tensor_parallel_degree():
     s = fleetjax.DistributedStrategy()
     s.tensor_parallel = True
     s.tensor_parallel_configs = {"tensor_parallel_degree": 4}
-    assert strategy_degrees(s)["mp"] == 4
+    assert strategy_degrees(s).mp == 4
     s.hybrid_configs = {"mp_degree": 2}
     with pytest.raises(ValueError, match="mp degree is set twice"):
         strategy_degrees(s)
@@ -119,13 +120,13 @@ def test_axes_fleetjax_does_not_have():
 
 def test_auto_parallel_strategy_degrees():
     s = fleetjax.Strategy({"sharding": {"enable": True, "degree": 2}})
-    assert dict(mesh_from_strategy(s).shape) == {"dp": 4, "pp": 1, "sharding": 2, "mp": 1}
+    assert dict(mesh_for(read_plan(s)).shape) == {"dp": 4, "pp": 1, "sharding": 2, "mp": 1}
     s.sharding.enable = False
-    assert mesh_from_strategy(s).shape["sharding"] == 1
+    assert mesh_for(read_plan(s)).shape["sharding"] == 1
 
 
 def test_strategy_mesh_with_wrong_device_count():
     s = fleetjax.DistributedStrategy()
     s.hybrid_configs = {"dp_degree": 4, "mp_degree": 4}
     with pytest.raises(ValueError, match="= 16, but there are 8 devices"):
-        mesh_from_strategy(s)
+        mesh_for(read_plan(s))

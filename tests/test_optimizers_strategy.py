@@ -1,5 +1,6 @@
-"""optimizer_for_strategy: Paddle's rebuilds (LARS from Momentum, LAMB from Adam, DGC from
-Momentum), the LocalSGD wrappers, and a clear error wherever Paddle would drop a switch."""
+"""Paddle's optimizer switches (`optimizers.rebuild` on a plan's switch): its rebuilds (LARS
+from Momentum, LAMB from Adam, DGC from Momentum), the LocalSGD wrappers, and a clear error
+wherever Paddle would drop a switch."""
 
 import chex
 import numpy as np
@@ -8,6 +9,8 @@ import pytest
 
 import fleetjax
 from fleetjax import optimizers as opt
+from fleetjax.mesh import DATA_AXES
+from fleetjax.plan import read_plan
 
 
 def strategy(**switches):
@@ -19,6 +22,14 @@ def strategy(**switches):
     return s
 
 
+def rebuilt(tx, s, data_parallel_size, axis_names=DATA_AXES):
+    """What `s` trains with: `tx`, or its switch's rebuild."""
+    switch = read_plan(s).optimizer
+    if switch is None:
+        return tx
+    return opt.rebuild(tx, switch.name, switch.configs, data_parallel_size, axis_names)
+
+
 def one_update(tx, params):
     grads = {"w": np.full((3, 2), 0.5, np.float32)}
     return tx.update(grads, tx.init(params), params)[0]
@@ -26,14 +37,14 @@ def one_update(tx, params):
 
 def test_nothing_to_rebuild():
     tx = optax.adam(1e-3)
-    assert opt.optimizer_for_strategy(tx, fleetjax.DistributedStrategy(), 8) is tx
-    assert opt.optimizer_for_strategy(tx, fleetjax.Strategy(), 8) is tx
+    assert rebuilt(tx, fleetjax.DistributedStrategy(), 8) is tx
+    assert rebuilt(tx, fleetjax.Strategy(), 8) is tx
 
 
 def test_lars_from_momentum():
     configs = {"lars_coeff": 0.01, "epsilon": 1e-6, "exclude_from_weight_decay": ["bias"]}
     user = opt.momentum(0.1, 0.8, weight_decay=1e-4, clip_norm=2.0)
-    tx = opt.optimizer_for_strategy(user, strategy(lars=configs), 8)
+    tx = rebuilt(user, strategy(lars=configs), 8)
     assert tx.kind == "LarsMomentum"
     assert dict(tx.hyperparams) == {
         "learning_rate": 0.1,
@@ -52,7 +63,7 @@ def test_lars_from_momentum():
 
 def test_lamb_from_adam():
     user = opt.adam(0.01, 0.8, 0.95, clip_norm=1.0)
-    tx = opt.optimizer_for_strategy(user, strategy(lamb={"lamb_weight_decay": 0.02}), 1)
+    tx = rebuilt(user, strategy(lamb={"lamb_weight_decay": 0.02}), 1)
     assert tx.kind == "Lamb"
     # Fleet passes the Adam's epsilon (1e-8), not Lamb's default 1e-6.
     assert (tx.hyperparams["epsilon"], tx.hyperparams["beta1"], tx.hyperparams["beta2"]) == (
@@ -67,7 +78,7 @@ def test_lamb_from_adam():
 def test_dgc_from_momentum():
     configs = {"rampup_begin_step": 5, "rampup_step": 10, "sparsity": [0.99, 0.999]}
     user = opt.momentum(0.1, 0.9, use_nesterov=True, clip_norm=3.0)
-    tx = opt.optimizer_for_strategy(user, strategy(dgc=configs), 8, axis_names=("dp",))
+    tx = rebuilt(user, strategy(dgc=configs), 8, axis_names=("dp",))
     assert tx.kind == "DGCMomentum"
     assert dict(tx.hyperparams) == {
         "learning_rate": 0.1,
@@ -85,7 +96,7 @@ def test_dgc_from_momentum():
 @pytest.mark.parametrize("switch", ["localsgd", "adaptive_localsgd"])
 def test_localsgd_wraps_any_optimizer(switch):
     user = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
-    tx = opt.optimizer_for_strategy(user, strategy(**{switch: {"begin_step": 3}}), 2)
+    tx = rebuilt(user, strategy(**{switch: {"begin_step": 3}}), 2)
     state = tx.init({"w": np.zeros(2, np.float32)})
     assert int(state.step) == 0 and float(opt.get_lr(state)) == pytest.approx(0.1)
 
@@ -119,4 +130,4 @@ def test_localsgd_wraps_any_optimizer(switch):
 )  # fmt: skip
 def test_switches_that_cannot_apply(user, switches, dp, error, message):
     with pytest.raises(error, match=message):
-        opt.optimizer_for_strategy(user, strategy(**switches), dp)
+        rebuilt(user, strategy(**switches), dp)

@@ -11,7 +11,8 @@ import jax
 import pytest
 
 import fleetjax
-from fleetjax import _schema, _support, fleet, xla_flags
+from fleetjax import fleet, xla_flags
+from fleetjax.plan import XLA_FUSES, read_plan
 from fleetjax.xla_flags import Flag
 
 MiB = 2**20
@@ -92,13 +93,14 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
+@pytest.mark.filterwarnings("ignore::fleetjax.StrategyWarning")  # read_plan also says why
 def test_each_knob_maps_to_its_flags(case):
     strategy, expected = CASES[case]
-    assert [str(f) for f in xla_flags.flags_for(strategy)] == expected
+    assert [str(f) for f in read_plan(strategy).xla_flags] == expected
 
 
 def test_this_jaxlib_knows_every_mapped_flag(every_flag_strategy):
-    flags = xla_flags.flags_for(every_flag_strategy)
+    flags = read_plan(every_flag_strategy).xla_flags
     every_name = {text.split("=")[0][2:] for _, expected in CASES.values() for text in expected}
     assert {f.name for f in flags} == every_name
     assert xla_flags.refused(flags) == {}
@@ -117,16 +119,15 @@ def test_unknown_flags_and_bad_values_are_refused_with_jaxlibs_message():
 def test_an_unknown_flag_is_never_set(monkeypatch):
     """`apply` as before the backend starts (simulated here), with one flag jaxlib lacks."""
     bogus = Flag("xla_fleetjax_no_such_flag", "1", "fuse_grad_size_in_MB=16")
-    real_flags_for = xla_flags.flags_for
     monkeypatch.setattr(xla_flags, "backend_started", lambda: False)
-    monkeypatch.setattr(xla_flags, "flags_for", lambda s: (*real_flags_for(s), bogus))
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     with pytest.warns(
         fleetjax.StrategyWarning,
         match=r"fuse_grad_size_in_MB=16 has no effect: the installed jaxlib refuses "
         r"--xla_fleetjax_no_such_flag=1 \(Unknown flag",
     ):
-        applied = xla_flags.apply(distributed(fuse_grad_size_in_MB=16))
+        flags = read_plan(distributed(fuse_grad_size_in_MB=16)).xla_flags
+        applied = xla_flags.apply((*flags, bogus))
     threshold = f"--xla_gpu_all_reduce_combine_threshold_bytes={16 * MiB}"
     assert [str(f) for f in applied] == [threshold]
     assert os.environ["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=8 {threshold}"
@@ -156,11 +157,15 @@ def test_a_flag_xla_flags_already_sets_wins(monkeypatch):
         r"DistributedStrategy.cudnn_exhaustive_search=False \(it asks for "
         r"--xla_gpu_autotune_level=0\)",
     ):
-        assert xla_flags.apply(distributed(cudnn_exhaustive_search=False)) == ()
+        assert (
+            xla_flags.apply(read_plan(distributed(cudnn_exhaustive_search=False)).xla_flags) == ()
+        )
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=0")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        (applied,) = xla_flags.apply(distributed(cudnn_exhaustive_search=False))
+        (applied,) = xla_flags.apply(
+            read_plan(distributed(cudnn_exhaustive_search=False)).xla_flags
+        )
     assert str(applied) == "--xla_gpu_autotune_level=0"
 
 
@@ -168,7 +173,7 @@ def test_defaults_apply_and_warn_nothing():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert fleet.Fleet().init()._xla_flags == ()
-        assert xla_flags.apply(fleetjax.Strategy()) == ()
+        assert xla_flags.apply(read_plan(fleetjax.Strategy()).xla_flags) == ()
 
 
 def test_backend_started():
@@ -181,7 +186,7 @@ def test_backend_started():
 
 def non_default(path: str):
     """A value of the DistributedStrategy field `path` other than its default."""
-    spec = _schema.DISTRIBUTED_STRATEGY
+    spec = fleetjax.DistributedStrategy.SPEC
     *parents, leaf = path.split(".")
     for name in parents:
         spec = spec.field(name).type
@@ -209,40 +214,41 @@ NOTED = ["sync_nccl_allreduce", "nccl_comm_num", "build_strategy.enable_inplace"
 def test_each_knob_without_jax_meaning_warns_once_saying_why(path):
     """Their reasons live in the schema; making a train step from the strategy warns."""
     *parents, leaf = path.split(".")
-    spec = _schema.DISTRIBUTED_STRATEGY
+    spec = fleetjax.DistributedStrategy.SPEC
     for name in parents:
         spec = spec.field(name).type
     note = spec.field(leaf).note
     assert note
-    strategy = strategy_with(path, non_default(path))
+    value = non_default(path)
+    strategy = strategy_with(path, value)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _support.check_supported(strategy)
-        _support.check_supported(strategy)
+        read_plan(strategy)
+        read_plan(strategy)
     assert [str(w.message) for w in caught] == [
-        f"DistributedStrategy.{path} has no effect in fleetjax: {note}"
+        f"DistributedStrategy.{path}={value!r} has no effect in fleetjax: {note}"
     ]
     assert all(w.category is fleetjax.StrategyWarning for w in caught)
 
 
-@pytest.mark.parametrize("knob", [k for k in xla_flags.XLA_FUSES if k.startswith("Distributed")])
+@pytest.mark.parametrize("knob", [k for k in XLA_FUSES if k.startswith("Distributed")])
 def test_fusions_xla_makes_warn_only_when_turned_off(knob):
     path = knob.removeprefix("DistributedStrategy.")
-    default = _schema.BUILD_STRATEGY.field(path.split(".")[-1]).default
+    default = fleetjax.BuildStrategy.SPEC.field(path.split(".")[-1]).default
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        xla_flags.warn_ignored(strategy_with(path, True))
+        read_plan(strategy_with(path, True))
         if not default:
-            xla_flags.warn_ignored(strategy_with(path, False))
+            read_plan(strategy_with(path, False))
     if default:
         with pytest.warns(fleetjax.StrategyWarning, match=rf"{path}=False has no effect.*XLA"):
-            xla_flags.warn_ignored(strategy_with(path, False))
+            read_plan(strategy_with(path, False))
 
 
 def test_fused_passes_without_enable_warn():
     s = fleetjax.Strategy({"fused_passes": {"gemm_epilogue": True, "dropout_add": True}})
     with pytest.warns(fleetjax.StrategyWarning) as caught:
-        xla_flags.warn_ignored(s)
+        read_plan(s)
     assert sorted(str(w.message) for w in caught) == [
         f"Strategy.fused_passes.{name}=True has no effect in fleetjax: fused passes apply only "
         "with fused_passes.enable=True, as in Paddle"
@@ -251,7 +257,7 @@ def test_fused_passes_without_enable_warn():
     s.fused_passes.enable = True
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        xla_flags.warn_ignored(s)
+        read_plan(s)
 
 
 def test_fleet_init_warns_for_knobs_without_jax_meaning():
@@ -259,8 +265,8 @@ def test_fleet_init_warns_for_knobs_without_jax_meaning():
     with pytest.warns(fleetjax.StrategyWarning) as caught:
         fleet.Fleet().init(strategy=s)
     assert sorted(str(w.message).split(":")[0] for w in caught) == [
-        "DistributedStrategy.execution_strategy.num_threads has no effect in fleetjax",
-        "DistributedStrategy.nccl_comm_num has no effect in fleetjax",
+        "DistributedStrategy.execution_strategy.num_threads=4 has no effect in fleetjax",
+        "DistributedStrategy.nccl_comm_num=2 has no effect in fleetjax",
     ]
 
 

@@ -154,7 +154,10 @@ def test_refusals():
         fleetjax.make_train_step(loss_fn, fleetjax.optimizers.momentum(0.1), s)
     s = zero(1)
     s.fp16_allreduce = True
-    with pytest.warns(fleetjax.StrategyWarning, match="fp16_allreduce is turned off under ZeRO"):
+    with pytest.warns(
+        fleetjax.StrategyWarning,
+        match="fp16_allreduce=True has no effect in fleetjax: turned off under ZeRO",
+    ):
         step = fleetjax.make_train_step(loss_fn, optax.sgd(0.1), s)
     assert step.plan.allreduce_dtype is None
 

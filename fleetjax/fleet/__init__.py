@@ -6,10 +6,10 @@ The module-level functions are bound to one `Fleet` instance, as in Paddle. `fle
 
 from typing import Any
 
-from fleetjax.fleet import role_maker
+from fleetjax.fleet import auto, base, role_maker, utils
 from fleetjax.fleet._fleet import Fleet
 from fleetjax.fleet._trainer import Trainer
-from fleetjax.fleet._util import UtilBase
+from fleetjax.fleet.base.util_factory import UtilBase
 from fleetjax.fleet.role_maker import (
     JaxProcessRoleMaker,
     PaddleCloudRoleMaker,
@@ -75,7 +75,9 @@ __all__ = [
     "UserDefinedRoleMaker",
     "UtilBase",
     "applied_strategy",
+    "auto",
     "backward",
+    "base",
     "barrier_worker",
     "clear_grad",
     "distributed_model",
@@ -105,6 +107,7 @@ __all__ = [
     "step",
     "stop_worker",
     "util",
+    "utils",
     "worker_endpoints",
     "worker_index",
     "worker_num",

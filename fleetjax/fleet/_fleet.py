@@ -9,19 +9,17 @@ from typing import Any
 
 import jax
 import optax
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from fleetjax import checkpoint, export, xla_flags
+from fleetjax import _paddle_env, checkpoint, export, xla_flags
 from fleetjax._applied import AppliedStrategy, applied_strategy
-from fleetjax._plan import read_plan
+from fleetjax.distributed_model import distributed_model
+from fleetjax.distributed_optimizer import DistributedOptimizer, distributed_optimizer
 from fleetjax.fleet._join import default_role_maker, join_processes
-from fleetjax.fleet._model import distributed_model
 from fleetjax.fleet._trainer import Trainer
-from fleetjax.fleet._util import UtilBase
-from fleetjax.fleet.role_maker import RoleMakerBase
-from fleetjax.mesh import mesh_from_strategy
-from fleetjax.optimizers import DistributedOptimizer, distributed_optimizer
+from fleetjax.fleet.base.role_maker import RoleMakerBase
+from fleetjax.fleet.base.util_factory import UtilBase
+from fleetjax.plan import mesh_for, read_plan
 from fleetjax.strategy import DistributedStrategy, Strategy
 
 logger = logging.getLogger("fleetjax")
@@ -30,6 +28,11 @@ _PS_ERROR = (
     "{}() is a parameter-server call; parameter-server mode is not supported yet "
     "(fleetjax trains in collective mode)"
 )
+
+
+class _ParameterServerCallError(NotImplementedError, ValueError):
+    """A parameter-server call in collective mode; also the ValueError Paddle raises there
+    ("Fleet can not find suitable runtime handler")."""
 
 
 class Fleet:
@@ -54,7 +57,7 @@ class Fleet:
         self._param_specs: Any = None
         self._optimizer: DistributedOptimizer | None = None  # from distributed_optimizer
         self._trainer: Trainer | None = None
-        self.util = UtilBase(self)
+        self.util = UtilBase()
 
     # -- set-up ---------------------------------------------------------------------------
     def init(
@@ -64,11 +67,12 @@ class Fleet:
         strategy: DistributedStrategy | Strategy | None = None,
         log_level: int | str = "INFO",
     ) -> Fleet:
-        """Set up this process: the XLA flags the strategy maps to, its role,
-        `jax.distributed` if several processes, the mesh.
+        """Set up this process: Paddle's `FLAGS_*` environment variables, the XLA flags the
+        strategy maps to, its role, `jax.distributed` if several processes, the mesh.
 
-        Call it before any JAX computation: XLA reads its flags (`fleetjax.xla_flags`) when JAX
-        starts its backend; flags that come later only warn.
+        Call it before any JAX computation: XLA reads its flags (`fleetjax.xla_flags`) and JAX
+        its memory fraction (`FLAGS_fraction_of_gpu_memory_to_use`) when JAX starts its
+        backend; flags that come later only warn. docs/knobs.md lists the `FLAGS_*` read.
 
         Args:
           role_maker: default `PaddleCloudRoleMaker()` (reads the `PADDLE_*` variables), or,
@@ -94,12 +98,14 @@ class Fleet:
         if not isinstance(strategy, (DistributedStrategy, Strategy)):
             raise TypeError(
                 "strategy must be a fleetjax.DistributedStrategy or fleetjax.Strategy, "
-                f"got {type(strategy).__name__}"
+                f"got {type(strategy).__name__} (a fleet.auto.Strategy converts with "
+                "fleetjax.Strategy()._from_legacy_strategy(strategy))"
             )
         # First: anything below may start JAX's backend (a role maker asking jax for the
         # process index, the mesh), and XLA reads XLA_FLAGS only then.
-        self._xla_flags = xla_flags.apply(strategy)
-        read_plan(strategy)  # fail fast on settings fleetjax cannot apply; warn for no-ops
+        strategy = _paddle_env.apply(strategy)
+        plan = read_plan(strategy)  # fail fast on settings fleetjax cannot apply
+        self._xla_flags = xla_flags.apply(plan.xla_flags, plan.strategy)
         if role_maker is None:
             role_maker = default_role_maker()
         if not isinstance(role_maker, RoleMakerBase):
@@ -107,9 +113,11 @@ class Fleet:
                 f"role_maker must be a fleetjax role maker, got {type(role_maker).__name__}"
             )
         logger.setLevel(log_level)
+        self.util._set_role_maker(role_maker)
+        self.util._set_strategy(strategy)
         if role_maker.is_distributed:
             join_processes(role_maker)
-        self._mesh = mesh_from_strategy(strategy)
+        self._mesh = mesh_for(plan)
         self._role, self._strategy = role_maker, strategy.__copy__()
         self._model = self._param_specs = self._optimizer = self._trainer = None
         logger.info(
@@ -156,9 +164,12 @@ class Fleet:
                 "a strategy given to fleet.distributed_optimizer() replaces the one from "
                 "fleet.init(); pass it to fleet.init() instead"
             )
-            self._xla_flags = xla_flags.apply(strategy)
-            self._mesh = mesh_from_strategy(strategy)
+            strategy = _paddle_env.apply(strategy)
+            plan = read_plan(strategy)
+            self._xla_flags = xla_flags.apply(plan.xla_flags, plan.strategy)
+            self._mesh = mesh_for(plan)
             self._strategy = strategy.__copy__()
+            self.util._set_strategy(self._strategy)
         self._optimizer = distributed_optimizer(optimizer, self.strategy, self.mesh)
         self._trainer = None
         return self._optimizer
@@ -253,50 +264,45 @@ class Fleet:
         """Use the learning rate `value` from the next step on. See `Trainer.set_lr`."""
         self.trainer.set_lr(value)
 
-    # -- roles ----------------------------------------------------------------------------
+    # -- roles: the role maker's answers, as in Paddle ------------------------------------
     def worker_index(self) -> int:
-        return self._checked_role().worker_index
+        return self._checked_role()._worker_index()
 
     def worker_num(self) -> int:
-        return self._checked_role().worker_num
+        return self._checked_role()._worker_num()
 
     def is_first_worker(self) -> bool:
-        return self.worker_index() == 0
+        return self._checked_role()._is_first_worker()
 
     def is_worker(self) -> bool:
-        return self._checked_role().is_collective
+        return self._checked_role()._is_worker()
 
     def worker_endpoints(self, to_string: bool = False) -> list[str] | str:
-        endpoints = self._checked_role().worker_endpoints
+        endpoints = self._checked_role()._get_trainer_endpoints()
         return ",".join(endpoints) if to_string else list(endpoints)
 
     def node_num(self) -> int:
-        return self._checked_role().node_num
+        return self._checked_role()._node_num()
 
     def server_num(self) -> int:
         """0: there are no parameter servers in collective mode."""
-        self._checked_role()
-        return 0
+        return self._checked_role()._server_num()
 
     def server_index(self) -> int:
         """0: there are no parameter servers in collective mode."""
-        self._checked_role()
-        return 0
+        return self._checked_role()._server_index()
 
     def server_endpoints(self, to_string: bool = False) -> list[str] | str:
         """Empty: there are no parameter servers in collective mode."""
-        self._checked_role()
-        return "" if to_string else []
+        endpoints = self._checked_role()._get_pserver_endpoints()
+        return ",".join(endpoints) if to_string else list(endpoints)
 
     def is_server(self) -> bool:
-        self._checked_role()
-        return False
+        return self._checked_role()._is_server()
 
     def barrier_worker(self) -> None:
         """Wait until every worker process reaches this call (a real cross-process barrier)."""
-        self._checked_role()
-        if jax.process_count() > 1:
-            multihost_utils.sync_global_devices("fleetjax.barrier_worker")
+        self._checked_role()._barrier("worker")
 
     # -- saving ---------------------------------------------------------------------------
     def save_persistables(self, dirname: str | os.PathLike[str], state: object) -> None:
@@ -322,13 +328,13 @@ class Fleet:
 
     # -- parameter-server runtime: not supported -------------------------------------------
     def init_worker(self, *args: object, **kwargs: object) -> None:
-        raise NotImplementedError(_PS_ERROR.format("init_worker"))
+        raise _ParameterServerCallError(_PS_ERROR.format("init_worker"))
 
     def init_server(self, *args: object, **kwargs: object) -> None:
-        raise NotImplementedError(_PS_ERROR.format("init_server"))
+        raise _ParameterServerCallError(_PS_ERROR.format("init_server"))
 
     def run_server(self) -> None:
-        raise NotImplementedError(_PS_ERROR.format("run_server"))
+        raise _ParameterServerCallError(_PS_ERROR.format("run_server"))
 
     def stop_worker(self) -> None:
-        raise NotImplementedError(_PS_ERROR.format("stop_worker"))
+        raise _ParameterServerCallError(_PS_ERROR.format("stop_worker"))

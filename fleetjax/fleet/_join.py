@@ -19,7 +19,11 @@ from collections.abc import Callable, Mapping
 
 import jax
 
-from fleetjax.fleet.role_maker import JaxProcessRoleMaker, PaddleCloudRoleMaker, RoleMakerBase
+from fleetjax.fleet.base.role_maker import (
+    JaxProcessRoleMaker,
+    PaddleCloudRoleMaker,
+    RoleMakerBase,
+)
 
 # Variables by which schedulers give a job's task count, what sets them, and how JAX would
 # find the job (jax._src.clusters).

@@ -23,8 +23,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from fleetjax.distributed_optimizer import DistributedOptimizer
 from fleetjax.layers import partition_specs
-from fleetjax.optimizers import DistributedOptimizer, get_lr, param_names, set_lr
+from fleetjax.optimizers import get_lr, param_names, set_lr
 from fleetjax.step import TrainState, TrainStep, make_train_step
 from fleetjax.strategy import DistributedStrategy, Strategy
 

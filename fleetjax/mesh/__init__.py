@@ -4,10 +4,9 @@ from fleetjax.mesh._mesh import (
     AXES,
     DEFAULT_ORDER,
     build_mesh,
-    mesh_from_strategy,
-    strategy_degrees,
+    check_order,
 )
-from fleetjax.mesh._placement import (
+from fleetjax.mesh._rules import (
     DATA_AXES,
     ZERO_MIN_ELEMENTS,
     batch_sharding,
@@ -15,6 +14,8 @@ from fleetjax.mesh._placement import (
     data_axes,
     data_parallel_size,
     replicated,
+    restrict,
+    spec_axes,
     zero_spec,
 )
 
@@ -25,11 +26,12 @@ __all__ = [
     "DEFAULT_ORDER",
     "batch_sharding",
     "build_mesh",
+    "check_order",
     "constrain",
     "data_axes",
     "data_parallel_size",
-    "mesh_from_strategy",
     "replicated",
-    "strategy_degrees",
+    "restrict",
+    "spec_axes",
     "zero_spec",
 ]

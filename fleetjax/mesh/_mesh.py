@@ -1,4 +1,4 @@
-"""Building the `('dp', 'sharding', 'pp', 'mp')` device mesh, from degrees or a strategy."""
+"""Building the `('dp', 'sharding', 'pp', 'mp')` device mesh from degrees."""
 
 from __future__ import annotations
 
@@ -9,15 +9,17 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from fleetjax._schema import DEFAULT_ORDER as PADDLE_ORDER
 from fleetjax._schema import HYBRID_AXES
-from fleetjax.strategy import DistributedStrategy, Strategy
 
 AXES = ("dp", "sharding", "pp", "mp")
-DEFAULT_ORDER = ("dp", "pp", "sharding", "mp")  # Paddle's hybrid order: mp varies fastest
+# Paddle's hybrid order with the axes fleetjax has: mp varies fastest.
+DEFAULT_ORDER = tuple(a for a in PADDLE_ORDER if a in AXES)
 
 
-def _check_order(order: Sequence[str]) -> tuple[str, ...]:
-    """The mesh axis order from a Paddle `hybrid_configs["order"]`-style list."""
+def check_order(order: Sequence[str]) -> tuple[str, ...]:
+    """The mesh axis order from a Paddle `hybrid_configs["order"]`-style list (Paddle's axes
+    that fleetjax's mesh lacks, 'sep' and 'cp', are skipped)."""
     order = tuple(order)
     unknown = [a for a in order if a not in HYBRID_AXES]
     if unknown or len(set(order)) != len(order) or not set(AXES) <= set(order):
@@ -79,70 +81,7 @@ def build_mesh(
             + " x ".join(str(degrees[a]) for a in AXES)
             + f" = {total}, but there are {len(devices)} devices"
         )
-    names = _check_order(order if order is not None else DEFAULT_ORDER)
+    names = check_order(order if order is not None else DEFAULT_ORDER)
     grid = np.array(devices, dtype=object).reshape([degrees[a] for a in names])
     types = (axis_types or AxisType.Auto,) * len(names)
     return Mesh(grid, names, axis_types=types)
-
-
-def strategy_degrees(strategy: DistributedStrategy | Strategy) -> dict[str, int]:
-    """The mesh degrees a strategy asks for (`dp` may be -1: all devices left).
-
-    `DistributedStrategy` reads `hybrid_configs`, or `sharding_configs` when `sharding` is on,
-    or `tensor_parallel_configs` when `tensor_parallel` is on; a degree set in two of them to
-    different values is an error. `Strategy` reads `sharding.degree` and `pipeline.pp_degree`
-    of the enabled sections.
-    """
-    if isinstance(strategy, Strategy):
-        return {
-            "dp": -1,
-            "sharding": strategy.sharding.degree if strategy.sharding.enable else 1,
-            "pp": strategy.pipeline.pp_degree if strategy.pipeline.enable else 1,
-            "mp": 1,
-        }
-    hybrid = strategy.hybrid_configs
-    for name in (
-        "sep_degree",
-        "cp_degree",
-        "cp_sharding_degree",
-        "ep_degree",
-        "moe_sharding_degree",
-    ):
-        if hybrid[name] != 1:
-            raise NotImplementedError(
-                f"hybrid_configs.{name}={hybrid[name]}: fleetjax's mesh has no such axis yet; "
-                f"its axes are {', '.join(AXES)}"
-            )
-    sources = [("hybrid_configs", hybrid, {a: f"{a}_degree" for a in AXES})]
-    if strategy.sharding:
-        keys = {a: f"{a}_degree" for a in AXES}
-        sources.append(("sharding_configs", strategy.sharding_configs, keys))
-    if strategy.tensor_parallel:
-        keys = {"mp": "tensor_parallel_degree"}
-        sources.append(("tensor_parallel_configs", strategy.tensor_parallel_configs, keys))
-    degrees = {"dp": -1, "sharding": 1, "pp": 1, "mp": 1}
-    where: dict[str, str] = {}
-    for label, config, keys in sources:
-        for axis, key in keys.items():
-            if not config.is_set(key):
-                continue
-            value = config[key]
-            if axis in where and value != degrees[axis]:
-                raise ValueError(
-                    f"the {axis} degree is set twice: {where[axis]}={degrees[axis]} "
-                    f"but {label}.{key}={value}"
-                )
-            degrees[axis], where[axis] = value, f"{label}.{key}"
-    if strategy.sharding and "sharding" not in where:
-        degrees["sharding"] = strategy.sharding_configs["sharding_degree"]  # Paddle's 8
-    return degrees
-
-
-def mesh_from_strategy(
-    strategy: DistributedStrategy | Strategy | None = None,
-    devices: Sequence[jax.Device] | None = None,
-) -> Mesh:
-    """`build_mesh` with the degrees and axis order of `strategy` (default: pure data parallel)."""
-    strategy = strategy if strategy is not None else DistributedStrategy()
-    order = strategy.hybrid_configs["order"] if isinstance(strategy, DistributedStrategy) else None
-    return build_mesh(**strategy_degrees(strategy), order=order, devices=devices)

@@ -1,5 +1,5 @@
-"""Optimizers: Paddle's optimizers as optax transformations, the large-batch and
-communication-efficient ones the strategy switches to, and the binding of one to a strategy."""
+"""Optimizers: Paddle's optimizers as optax transformations, and the large-batch and
+communication-efficient ones Paddle's optimizer switches rebuild them as (`rebuild`)."""
 
 from fleetjax.optimizers._basic import PaddleOptimizer, adam, adamw, clip_by_norm, momentum, sgd
 from fleetjax.optimizers._dgc import (
@@ -11,7 +11,6 @@ from fleetjax.optimizers._dgc import (
     sparsity_at,
     top_k_count,
 )
-from fleetjax.optimizers._distributed import DistributedOptimizer, distributed_optimizer
 from fleetjax.optimizers._lamb import lamb, scale_by_lamb_trust_ratio
 from fleetjax.optimizers._lars import lars, scale_by_lars
 from fleetjax.optimizers._localsgd import (
@@ -23,7 +22,7 @@ from fleetjax.optimizers._localsgd import (
 )
 from fleetjax.optimizers._lr import get_lr, set_lr
 from fleetjax.optimizers._names import param_names
-from fleetjax.optimizers._strategy import optimizer_for_strategy
+from fleetjax.optimizers._rebuild import rebuild
 
 __all__ = [
     # Paddle's optimizers
@@ -54,8 +53,6 @@ __all__ = [
     "sparsity_at",
     "top_k_count",
     "next_k_steps",
-    # strategies
-    "optimizer_for_strategy",
-    "DistributedOptimizer",
-    "distributed_optimizer",
+    # Paddle's optimizer switches
+    "rebuild",
 ]

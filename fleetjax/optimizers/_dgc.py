@@ -28,6 +28,7 @@ Per parameter, with N replicas, local gradient `G`, L2 coefficient `r` (the user
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -145,6 +146,65 @@ def _check_config(
     return tuple(float(s) for s in sparsity)
 
 
+def _top_k_counts(params: Any, stages: tuple[float, ...]) -> list[tuple[int, ...]]:
+    """k per ramp-up stage, for each eligible parameter in leaf order.
+
+    Raises:
+      ValueError: where a sparsity leaves an eligible tensor nothing to send (k = 0).
+    """
+    found = []
+    named = zip(jax.tree.leaves(params), jax.tree.leaves(param_names(params)), strict=True)
+    for p, name in named:
+        if not is_eligible(p):
+            continue
+        ks = tuple(top_k_count(p.size, s) for s in stages)
+        if 0 in ks:
+            s = stages[ks.index(0)]
+            raise ValueError(
+                f"DGC sparsity {s} leaves nothing to send of the {p.size} elements of "
+                f"parameter {name!r}: int({p.size} * (1 - {s})) = 0; use a lower sparsity"
+            )
+        found.append(ks)
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    """DGC's momentum and exchange for one tensor, by Paddle's kernels."""
+
+    mu: float
+    nesterov: bool
+    weight_decay: float
+    clip_norm: float | None
+    axes: tuple[str, ...]
+
+    def dense(self, grad: jax.Array, u: jax.Array, v: jax.Array, p: jax.Array) -> Leaf:
+        """Momentum on an all-reduced gradient, velocity `u`."""
+        u, direction = _momentum(u, grad + self.weight_decay * p, self.mu, self.nesterov)
+        return direction, u, v
+
+    def sparse(self, g: jax.Array, u: jax.Array, v: jax.Array, p: jax.Array, k: int) -> Leaf:
+        """Paddle's `dgc_clip_by_norm`, `dgc` and sparse all-reduce for one tensor."""
+        n = lax.axis_size(self.axes)
+        if self.clip_norm is not None:
+            g = n * clip_norm_per_tensor(g / n, self.clip_norm / math.sqrt(n))
+        g = g + self.weight_decay * p
+        if self.nesterov:
+            u = self.mu * (u + g)
+            v = v + u + g
+        else:
+            u = self.mu * u + g
+            v = v + u
+        total, sent = sparse_allreduce(v.ravel(), k, self.axes)
+        masked = lambda x: x.ravel().at[sent].set(0).reshape(x.shape)  # noqa: E731
+        return total.reshape(g.shape) / n, masked(u), masked(v)
+
+    def reduced(self, g: jax.Array) -> jax.Array:
+        """The replicas' mean gradient, clipped per tensor as Paddle's Momentum does."""
+        g = lax.pmean(g, self.axes)
+        return g if self.clip_norm is None else clip_norm_per_tensor(g, self.clip_norm)
+
+
 def dgc_reducer(
     momentum: float,
     *,
@@ -163,58 +223,23 @@ def dgc_reducer(
     Raises (from `init` or the first `update`):
       ValueError: where a sparsity leaves an eligible tensor nothing to send (k = 0).
     """
-    mu = check_number("momentum", momentum)
-    weight_decay = check_number("weight_decay", weight_decay)
-    clip_norm = check_clip_norm(clip_norm)
+    rule = _Rule(
+        check_number("momentum", momentum),
+        use_nesterov,
+        check_number("weight_decay", weight_decay),
+        check_clip_norm(clip_norm),
+        tuple(axis_names),
+    )
     stages = _check_config(rampup_begin_step, rampup_step, sparsity)
-    axes = tuple(axis_names)
-
-    def counts(params: Any) -> list[tuple[int, ...]]:
-        """k per ramp-up stage, for each eligible parameter in leaf order."""
-        found = []
-        named = zip(jax.tree.leaves(params), jax.tree.leaves(param_names(params)), strict=True)
-        for p, name in named:
-            if not is_eligible(p):
-                continue
-            ks = tuple(top_k_count(p.size, s) for s in stages)
-            if 0 in ks:
-                s = stages[ks.index(0)]
-                raise ValueError(
-                    f"DGC sparsity {s} leaves nothing to send of the {p.size} elements of "
-                    f"parameter {name!r}: int({p.size} * (1 - {s})) = 0; use a lower sparsity"
-                )
-            found.append(ks)
-        return found
 
     def init(params: Any) -> DGCState:
-        counts(params)
+        _top_k_counts(params, stages)
         empty = lambda p: jnp.zeros(p.shape if is_eligible(p) else (0,), p.dtype)  # noqa: E731
         return DGCState(
             jnp.zeros([], jnp.int32),
             jax.tree.map(jnp.zeros_like, params),
             jax.tree.map(empty, params),
         )
-
-    def dense(grad: jax.Array, u: jax.Array, v: jax.Array, p: jax.Array) -> Leaf:
-        """Momentum on an all-reduced gradient, velocity `u`."""
-        u, direction = _momentum(u, grad + weight_decay * p, mu, use_nesterov)
-        return direction, u, v
-
-    def sparse(g: jax.Array, u: jax.Array, v: jax.Array, p: jax.Array, k: int) -> Leaf:
-        """Paddle's `dgc_clip_by_norm`, `dgc` and sparse all-reduce for one tensor."""
-        n = lax.axis_size(axes)
-        if clip_norm is not None:
-            g = n * clip_norm_per_tensor(g / n, clip_norm / math.sqrt(n))
-        g = g + weight_decay * p
-        if use_nesterov:
-            u = mu * (u + g)
-            v = v + u + g
-        else:
-            u = mu * u + g
-            v = v + u
-        total, sent = sparse_allreduce(v.ravel(), k, axes)
-        masked = lambda x: x.ravel().at[sent].set(0).reshape(x.shape)  # noqa: E731
-        return total.reshape(g.shape) / n, masked(u), masked(v)
 
     def update(grads: Any, state: DGCState, params: Any = None) -> tuple[Any, DGCState]:
         if params is None:
@@ -223,25 +248,23 @@ def dgc_reducer(
         leaves = list(
             zip(*(treedef.flatten_up_to(t) for t in (grads, state.u, state.v, params)), strict=True)
         )
-        out: dict[int, Leaf] = {}
-        for i, (g, u, v, p) in enumerate(leaves):
-            if not is_eligible(p):
-                g = lax.pmean(g, axes)
-                out[i] = dense(
-                    g if clip_norm is None else clip_norm_per_tensor(g, clip_norm), u, v, p
-                )
-
+        out: dict[int, Leaf] = {
+            i: rule.dense(rule.reduced(g), u, v, p)
+            for i, (g, u, v, p) in enumerate(leaves)
+            if not is_eligible(p)
+        }
         large = [i for i, leaf in enumerate(leaves) if is_eligible(leaf[3])]
         if large:
-            ks = counts(params)
+            ks = _top_k_counts(params, stages)
 
             def at_stage(s: int) -> Any:
-                return lambda xs: [sparse(*x, k[s]) for x, k in zip(xs, ks, strict=True)]
+                return lambda xs: [rule.sparse(*x, k[s]) for x, k in zip(xs, ks, strict=True)]
 
             branches = [at_stage(s) for s in range(len(stages))]
             index = _stage(state.step, rampup_begin_step, rampup_step, len(stages))
             if rampup_begin_step > 0:  # else this dense branch could never run: leave it out
-                branches.insert(0, lambda xs: [dense(lax.pmean(g, axes), *x) for g, *x in xs])
+                dense = lambda xs: [rule.dense(lax.pmean(g, rule.axes), *x) for g, *x in xs]  # noqa: E731
+                branches.insert(0, dense)
                 index = jnp.where(state.step < rampup_begin_step, 0, index + 1)
             xs = [leaves[i] for i in large]
             found = branches[0](xs) if len(branches) == 1 else lax.switch(index, branches, xs)

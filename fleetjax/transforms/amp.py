@@ -12,7 +12,7 @@ reductions, powers, cumulative and hyperbolic functions), so softmax, layer norm
 in float32. Operations called through `jax.custom_jvp`/`custom_vjp` functions (such as
 `jax.nn.relu`) run at the dtypes they were written for.
 
-Loss scaling follows Paddle's `check_finite_and_unscale` and `update_loss_scaling` kernels.
+Loss scaling, the other half of Paddle's AMP, is `fleetjax.transforms.loss_scale`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.extend as jex
@@ -426,53 +426,3 @@ def autocast(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
         return jax.tree.unflatten(out_tree, outs)
 
     return wrapped
-
-
-# -- loss scaling ------------------------------------------------------------------------------
-class LossScaleState(NamedTuple):
-    """Paddle's loss-scaling variables: the scale and the good/bad step counters."""
-
-    loss_scale: jax.Array  # float32 scalar
-    good_steps: jax.Array  # int32: consecutive finite steps
-    bad_steps: jax.Array  # int32: consecutive non-finite steps
-
-
-def init_loss_scale(init_loss_scaling: float) -> LossScaleState:
-    return LossScaleState(
-        jnp.asarray(init_loss_scaling, jnp.float32),
-        jnp.zeros((), jnp.int32),
-        jnp.zeros((), jnp.int32),
-    )
-
-
-def all_finite(tree: Any) -> jax.Array:
-    """Whether every element of every floating leaf is finite (Paddle's `found_inf`, negated)."""
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if _is_float(x)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
-
-
-def update_loss_scale(
-    state: LossScaleState,
-    finite: jax.Array,
-    *,
-    incr_every_n_steps: int,
-    decr_every_n_nan_or_inf: int,
-    incr_ratio: float,
-    decr_ratio: float,
-) -> LossScaleState:
-    """Paddle's `update_loss_scaling`: after `decr_every_n_nan_or_inf` consecutive non-finite
-    steps the scale shrinks by `decr_ratio` (never below 1); after `incr_every_n_steps`
-    consecutive finite steps it grows by `incr_ratio` (unless that overflows)."""
-    scale, good, bad = state
-    bad_next = jnp.where(finite, 0, bad + 1)
-    good_next = jnp.where(finite, good + 1, 0)
-    decrease = ~finite & (bad_next == decr_every_n_nan_or_inf)
-    increase = finite & (good_next == incr_every_n_steps)
-    grown = scale * incr_ratio
-    new_scale = jnp.where(decrease, jnp.maximum(scale * decr_ratio, 1.0), scale)
-    new_scale = jnp.where(increase & jnp.isfinite(grown), grown, new_scale)
-    return LossScaleState(
-        new_scale.astype(jnp.float32),
-        jnp.where(increase, 0, good_next).astype(jnp.int32),
-        jnp.where(decrease, 0, bad_next).astype(jnp.int32),
-    )

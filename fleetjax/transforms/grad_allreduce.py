@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from fleetjax.transforms.grad_fn import GradFn, Outputs
+
 Reducer = Callable[[Any, tuple[str, ...]], Any]
-# (params, model_state, batch, *rest) -> ((loss, aux, new model_state), grads)
-GradFn = Callable[..., tuple[tuple[jax.Array, Any, Any], Any]]
 
 
 def mean_in(dtype: Any) -> Reducer:
@@ -169,7 +169,7 @@ def data_parallel(
     """
     axes = tuple(axes)
 
-    def local(params: Any, model_state: Any, batch: Any, *rest: Any) -> tuple[tuple, Any]:
+    def local(params: Any, model_state: Any, batch: Any, *rest: Any) -> tuple[Outputs, Any]:
         # Varying parameters give each device its own gradient; with replicated (invariant)
         # ones, JAX's transpose would already sum the gradients over the devices.
         params = jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), params)
@@ -177,14 +177,14 @@ def data_parallel(
             rest = (jax.random.fold_in(rest[0], jax.lax.axis_index(axes)), *rest[1:])
         (loss, aux, model_state), grads = grad_fn(params, model_state, batch, *rest)
         mean = lambda tree: jax.tree.map(lambda x: jax.lax.pmean(x, axes), tree)  # noqa: E731
-        return (mean(loss), mean(aux), model_state), reducer(grads, axes)
+        return Outputs(mean(loss), mean(aux), model_state), reducer(grads, axes)
 
     # Axes of size 1 have nothing to partition, so they are manual too; that also keeps
     # XLA:CPU compiling bfloat16 all-reduces (jaxlib 0.10.2 aborts in AllReducePromotion on a
     # bf16 psum inside a partially manual shard_map).
     manual = frozenset(axes) | {a for a in mesh.axis_names if mesh.shape[a] == 1}
 
-    def reduced(params: Any, model_state: Any, batch: Any, *rest: Any) -> tuple[tuple, Any]:
+    def reduced(params: Any, model_state: Any, batch: Any, *rest: Any) -> tuple[Outputs, Any]:
         state = PartitionSpec() if state_specs is None else state_specs
         specs = (PartitionSpec(), state, PartitionSpec(axes), *(PartitionSpec() for _ in rest))
         out = PartitionSpec() if grad_specs is None else grad_specs
@@ -192,7 +192,7 @@ def data_parallel(
             local,
             mesh=mesh,
             in_specs=specs,
-            out_specs=((PartitionSpec(), PartitionSpec(), state), out),
+            out_specs=(Outputs(PartitionSpec(), PartitionSpec(), state), out),
             axis_names=manual,
             check_vma=check_vma,
         )(params, model_state, batch, *rest)

@@ -11,15 +11,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-# (params, model_state, batch, *rest) -> ((loss, aux, new model_state), grads)
-GradFn = Callable[..., tuple[tuple[jax.Array, dict[str, Any], Any], Any]]
+from fleetjax.transforms.grad_fn import GradFn, Outputs
 
 
 def _check_k(k_steps: int) -> None:
@@ -68,10 +66,10 @@ def microbatched(grad_fn: GradFn, k_steps: int, avg: bool = True) -> GradFn:
     """
     _check_k(k_steps)
 
-    def merged(params: Any, model_state: Any, batch: Any, *rest: Any) -> tuple[tuple, Any]:
+    def merged(params: Any, model_state: Any, batch: Any, *rest: Any) -> tuple[Outputs, Any]:
         parts = split_batch(batch, k_steps)
 
-        def one(index: jax.Array, micro: Any) -> tuple[tuple, Any]:
+        def one(index: jax.Array, micro: Any) -> tuple[Outputs, Any]:
             extra = (jax.random.fold_in(rest[0], index), *rest[1:]) if rest else ()
             return grad_fn(params, model_state, micro, *extra)
 
@@ -98,6 +96,6 @@ def microbatched(grad_fn: GradFn, k_steps: int, avg: bool = True) -> GradFn:
             lambda x: x.mean(0).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x[-1],
             states,
         )
-        return (loss / k_steps, mean(aux), model_state), mean(grads) if avg else grads
+        return Outputs(loss / k_steps, mean(aux), model_state), mean(grads) if avg else grads
 
     return merged

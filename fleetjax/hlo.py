@@ -1,5 +1,15 @@
-"""Reading what XLA compiled: the collectives in `compiled.as_text()`, the bytes they move, and
-how often one call of the module runs each instruction."""
+"""Reading what XLA compiled, from `compiled.as_text()` (any backend, compile-only GPUs too).
+
+* `collectives(text)`: every collective instruction, with its result bytes and group size;
+* `matmul_flops(line, shapes)`: 2 x the multiply-adds of a dot, convolution or library matmul;
+* `per_call(text, measure, zero, choose)`: a per-instruction measure summed over what one call
+  of the module runs: a while loop's body its known trip count times, a conditional's branch
+  `choose` picks, fusions and calls once per call (XLA's own cost analysis counts a loop once);
+* `computations(text)` and `while_loop(line)`: the module's computations and its loops.
+
+No maintained library reads XLA's HLO text, so this is written here; the formats it reads are
+XLA's (`replica_groups` as lists, iota and mesh forms; `known_trip_count` backend configs).
+"""
 
 from __future__ import annotations
 
@@ -51,10 +61,10 @@ class Collective:
     @property
     def result_bytes(self) -> int:
         """Bytes of the result on each device."""
-        return sum(_itemsize(dtype) * math.prod(dims) for dtype, dims in self.arrays)
+        return sum(itemsize(dtype) * math.prod(dims) for dtype, dims in self.arrays)
 
 
-def _itemsize(dtype: str) -> int:
+def itemsize(dtype: str) -> int:
     if dtype in _BITS:
         return _BITS[dtype] // 8
     digits = re.sub(r"\D", "", dtype)
@@ -111,9 +121,55 @@ _BODY = re.compile(r"\bbody=%([\w.\-]+)")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
+_MATMUL = re.compile(r"\s(?P<op>dot|convolution|custom-call)\((?P<operands>[^)]*)\)")
+_DOT_DIMS = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_GEMM_DIMS = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+_CONV_LABELS = re.compile(r"dim_labels=\w+_(\w+)->\w+")
+
+
+def _operand_dims(operand: str, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, ...] | None:
+    """An operand's dims: printed inline (`f32[2,3]{1,0} %x`) or looked up by name."""
+    operand = operand.strip()
+    if inline := SHAPE.match(operand):
+        return dims(inline.group(0))
+    name = NAME.search(operand)
+    return shapes.get(name.group(1)) if name else None
+
+
+def matmul_flops(line: str, shapes: Mapping[str, tuple[int, ...]]) -> float:
+    """2 x multiply-adds of a dot, convolution or library matmul instruction (else 0)."""
+    match, result = _MATMUL.search(line), ASSIGN.match(line)
+    if match is None or result is None:
+        return 0.0
+    # Split before each operand (a name, or an inline shape, whose dims hold commas too).
+    operands = re.split(r",\s*(?=[a-z]\w*\[|%)", match["operands"])
+    out = math.prod(dims(result["shape"]))
+    if match["op"] == "convolution":
+        labels, kernel = _CONV_LABELS.search(line), _operand_dims(operands[1], shapes)
+        if labels is None or kernel is None:
+            return 0.0
+        return 2.0 * out * math.prod(kernel) / kernel[labels.group(1).index("o")]
+    contraction = _DOT_DIMS.search(line) if match["op"] == "dot" else _GEMM_DIMS.search(line)
+    lhs = _operand_dims(operands[0], shapes)
+    if contraction is None or lhs is None:
+        return 0.0
+    contracting = [int(d) for d in re.findall(r"\d+", contraction.group(1))]
+    return 2.0 * out * math.prod(lhs[d] for d in contracting)
+
+
 def dims(shape: str) -> tuple[int, ...]:
     """The dimensions of an array shape's text, e.g. (32, 16) for "f32[32,16]{1,0}"."""
     return tuple(int(d) for d in SHAPE.match(shape)["dims"].split(",") if d)
+
+
+def while_loop(line: str) -> tuple[str, int] | None:
+    """A while instruction's body computation and its trip count (XLA's ``known_trip_count``;
+    1 when XLA does not know it), or None for another instruction."""
+    body = _BODY.search(line)
+    if body is None:
+        return None
+    trips = _TRIPS.search(line)
+    return body.group(1), int(trips.group(1)) if trips else 1
 
 
 class Amount(Protocol):
@@ -127,7 +183,7 @@ class Amount(Protocol):
 _A = TypeVar("_A", bound=Amount)
 
 
-def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+def computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
     """Each computation's lines (its header first) and the entry computation's name."""
     found: dict[str, list[str]] = {}
     entry, current = "", None
@@ -157,11 +213,11 @@ def per_call(
     does not know it), a conditional the branch that `choose` picks from the branches'
     amounts, and a fusion or call its computation once per call.
     """
-    computations, entry = _computations(hlo_text)
+    computations_, entry = computations(hlo_text)
 
     @functools.cache
     def amount(name: str) -> _A:
-        lines = computations.get(name)
+        lines = computations_.get(name)
         if lines is None:
             return zero
         shapes = {m["name"]: dims(m["shape"]) for m in _PARAM.finditer(lines[0])}
@@ -170,9 +226,8 @@ def per_call(
             if assigned := ASSIGN.match(line):
                 shapes[assigned["name"]] = dims(assigned["shape"])
             total += measure(line, shapes)
-            if body := _BODY.search(line):
-                trips = _TRIPS.search(line)
-                total += amount(body.group(1)).times(int(trips.group(1)) if trips else 1)
+            if loop := while_loop(line):
+                total += amount(loop[0]).times(loop[1])
             elif branches := _BRANCHES.search(line):
                 names = NAME.findall(branches.group(1) or "") or list(branches.group(2, 3))
                 total += choose([amount(b) for b in names])

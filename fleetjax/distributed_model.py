@@ -7,45 +7,26 @@ from typing import Any
 
 import jax
 from flax import nnx
-from flax.core import meta
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
-from fleetjax import _support
-from fleetjax._plan import Plan, read_plan
-from fleetjax.layers import BatchNorm, partition_specs
+from fleetjax._warnings import warn_once
+from fleetjax.layers import BatchNorm
 from fleetjax.layers.batch_norm import convert_batch_norm
-from fleetjax.mesh import data_parallel_size, replicated, zero_spec
-from fleetjax.mesh._placement import spec_axes
+from fleetjax.mesh import data_parallel_size
+from fleetjax.placement import model_state_shardings, param_shardings
+from fleetjax.plan import Plan, read_plan
 from fleetjax.strategy import DistributedStrategy, Strategy
 from fleetjax.transforms.pipeline import PipelineParams
 
-__all__ = ["distributed_model", "model_shardings"]
+__all__ = ["distributed_model"]
 
 
-def _is_spec(x: Any) -> bool:
-    return isinstance(x, PartitionSpec)
-
-
-def model_shardings(model: Any, plan: Plan, mesh: Mesh, param_specs: Any = None) -> Any:
-    """Where the arrays of `model` (an `nnx.State`, flax linen variables or a pytree of arrays)
-    live under `plan`, as the train step places parameters: split by their logical axis names
-    (or `param_specs`), a pipeline's stacked layers over `pp`, and under ZeRO stage 3 also over
-    `sharding`; replicated under the per-replica optimizers (DGC, LocalSGD)."""
-    if plan.per_replica:
-        return jax.tree.map(lambda _: replicated(mesh), meta.unbox(model))
-    specs = param_specs if param_specs is not None else partition_specs(model, mesh=mesh)
-    if plan.pipeline is not None:
-        by_stage = lambda spec: PartitionSpec("pp", *tuple(spec)[1:])  # noqa: E731
-        specs = specs._replace(layers=jax.tree.map(by_stage, specs.layers, is_leaf=_is_spec))
-    if plan.sharding_stage == 3:
-
-        def zero(spec: PartitionSpec, x: Any) -> PartitionSpec:
-            # Arrays already split over the sharding axis (a local BatchNorm's statistics, one
-            # row per replica) stay as they are.
-            return spec if "sharding" in spec_axes(spec) else zero_spec(spec, x.shape, mesh)
-
-        specs = jax.tree.map(zero, specs, meta.unbox(model), is_leaf=_is_spec)
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=_is_spec)
+def _place_nnx(model: nnx.Module, plan: Plan, mesh: Mesh) -> None:
+    """A module's variables placed as a train step places them: its `nnx.Param`s as the
+    parameters, the rest (batch-norm statistics) as the model state."""
+    params, rest = nnx.state(model, nnx.Param, ...)
+    params = jax.device_put(params, param_shardings(plan, mesh, params))
+    nnx.update(model, params, jax.device_put(rest, model_state_shardings(mesh, rest)))
 
 
 def distributed_model(
@@ -85,28 +66,25 @@ def distributed_model(
             f"{type(model).__name__}"
         )
     if not isinstance(model, nnx.Module):
-        _note_linen_batch_norm(model, strategy, mesh)
-        return jax.device_put(model, model_shardings(model, plan, mesh, param_specs))
+        _note_linen_batch_norm(model, plan, mesh)
+        return jax.device_put(model, param_shardings(plan, mesh, model, param_specs))
     if param_specs is not None:
         raise TypeError(
             "param_specs is for pytrees of arrays; an nnx Module places its parameters by the "
             "logical axis names they carry (nnx.with_partitioning, fleetjax.layers)"
         )
-    model = _convert_batch_norms(model, strategy, data_parallel_size(mesh))
-    state = nnx.state(model)
-    nnx.update(model, jax.device_put(state, model_shardings(state, plan, mesh)))
+    model = _convert_batch_norms(model, plan, data_parallel_size(mesh))
+    _place_nnx(model, plan, mesh)
     return model
 
 
 # -- batch norm --------------------------------------------------------------------------------
 
 
-def _convert_batch_norms(
-    model: nnx.Module, strategy: DistributedStrategy | Strategy, replicas: int
-) -> nnx.Module:
+def _convert_batch_norms(model: nnx.Module, plan: Plan, replicas: int) -> nnx.Module:
     """Every BatchNorm of `model` set to `sync_batch_norm` (nnx ones converted); fleetjax
     BatchNorms of a `Strategy` keep their mode and get one statistics row per replica."""
-    sync = strategy.sync_batch_norm if isinstance(strategy, DistributedStrategy) else None
+    sync = plan.sync_batch_norm
     for path, node in list(nnx.iter_graph(model)):
         if isinstance(node, BatchNorm):
             # Paddle converts to SyncBatchNorm, never back: an explicit sync layer stays sync.
@@ -172,14 +150,12 @@ def _replace(model: nnx.Module, path: tuple, new: nnx.Module) -> None:
         setattr(parent, path[-1], new)
 
 
-def _note_linen_batch_norm(
-    variables: Any, strategy: DistributedStrategy | Strategy, mesh: Mesh
-) -> None:
+def _note_linen_batch_norm(variables: Any, plan: Plan, mesh: Mesh) -> None:
     """Linen modules cannot be rebuilt from their variables: say what their BatchNorms do."""
     has_stats = isinstance(variables, dict) and "batch_stats" in variables
-    local = isinstance(strategy, DistributedStrategy) and not strategy.sync_batch_norm
+    local = plan.sync_batch_norm is False
     if has_stats and local and data_parallel_size(mesh) > 1:
-        _support.warn_once(
+        warn_once(
             "fleet.distributed_model cannot convert flax linen BatchNorm layers (only their "
             "variables are given): under jax.jit they normalize over the whole global batch, "
             "as sync_batch_norm=True does, not over each replica's rows as Paddle's BatchNorm "

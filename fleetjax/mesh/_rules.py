@@ -1,4 +1,4 @@
-"""Where arrays live on the mesh: the batch over the data axes, everything else replicated."""
+"""Placement rules on the mesh: the batch over the data axes, ZeRO's split, layout constraints."""
 
 from __future__ import annotations
 
@@ -94,3 +94,13 @@ def zero_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> Partit
                 entries[d] = (*existing, "sharding") if existing else "sharding"
                 return PartitionSpec(*entries)
     return spec
+
+
+def restrict(spec: PartitionSpec, axes: tuple[str, ...]) -> PartitionSpec:
+    """`spec` with only the entries for mesh `axes` (what a `shard_map` over them sees)."""
+
+    def entry(e: Any) -> Any:
+        kept = tuple(a for a in spec_axes(PartitionSpec(e)) if a in axes)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return PartitionSpec(*(entry(e) for e in spec))

@@ -1,9 +1,9 @@
-"""Which optimizer a strategy trains with: Paddle's rebuilds for LARS, LAMB, DGC, LocalSGD and
+"""Paddle's optimizer switches: rebuilds for LARS, LAMB and DGC, wrappers for LocalSGD and
 Adaptive LocalSGD, refusing with a clear error what Paddle would silently drop."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import optax
@@ -14,9 +14,7 @@ from fleetjax.optimizers._dgc import dgc
 from fleetjax.optimizers._lamb import lamb
 from fleetjax.optimizers._lars import lars
 from fleetjax.optimizers._localsgd import adaptive_localsgd, localsgd
-from fleetjax.strategy import DistributedStrategy, Strategy
 
-SWITCHES = ("lars", "lamb", "dgc", "localsgd", "adaptive_localsgd")
 # Paddle's `_can_apply`: the user optimizer each switch accepts.
 _NEEDS = {
     "lars": ("Momentum",),
@@ -46,37 +44,30 @@ def _kind_check(switch: str, optimizer: Any) -> None:
         )
 
 
-def optimizer_for_strategy(
+def rebuild(
     optimizer: optax.GradientTransformation,
-    strategy: DistributedStrategy | Strategy,
+    switch: str,
+    configs: Mapping[str, Any],
     data_parallel_size: int,
     axis_names: Sequence[str] = DATA_AXES,
 ) -> optax.GradientTransformation:
-    """The optimizer `strategy` trains with: `optimizer` itself, or Paddle's rebuild of it.
+    """The optimizer Paddle's `switch` trains with, from the user's `optimizer` and the
+    switch's `configs` (its `*_configs`, e.g. a plan's `OptimizerSwitch`).
 
     `lars` turns a Momentum into `lars(...)`, `lamb` an Adam into `lamb(...)`, `dgc` a
-    Momentum into `dgc(...)`, each with its `*_configs`; `localsgd` and `adaptive_localsgd`
-    wrap the optimizer. The DGC and LocalSGD results run inside `jax.shard_map` over
-    `axis_names`, on each replica's local gradients and state.
+    Momentum into `dgc(...)`; `localsgd` and `adaptive_localsgd` wrap the optimizer. The DGC
+    and LocalSGD results run inside `jax.shard_map` over `axis_names`, on each replica's local
+    gradients and state.
 
     Raises:
       TypeError: if a switch must rebuild a plain optax transformation (it needs one from
         `fleetjax.optimizers`).
-      ValueError: if a switch cannot apply where Paddle would silently drop it: several of
-        these switches at once, the wrong kind of optimizer (LARS on Adam, ...), DGC or
-        LocalSGD with one data-parallel replica, or a setting the rebuild would lose.
+      ValueError: if a switch cannot apply where Paddle would silently drop it: the wrong kind
+        of optimizer (LARS on Adam, ...), DGC or LocalSGD with one data-parallel replica, or a
+        setting the rebuild would lose.
     """
-    if isinstance(strategy, Strategy):
-        return optimizer  # the auto-parallel Strategy has none of these switches
-    on = [s for s in SWITCHES if getattr(strategy, s)]
-    if not on:
-        return optimizer
-    if len(on) > 1:
-        raise ValueError(
-            f"strategy turns on {' and '.join(on)}; Paddle applies at most one of "
-            f"{', '.join(SWITCHES)} (it drops the others); turn all but one off"
-        )
-    (switch,) = on
+    if switch not in _NEEDS:
+        raise ValueError(f"switch must be one of {', '.join(_NEEDS)}, got {switch!r}")
     _kind_check(switch, optimizer)
     if switch in ("dgc", "localsgd", "adaptive_localsgd") and data_parallel_size < 2:
         raise ValueError(
@@ -84,7 +75,6 @@ def optimizer_for_strategy(
             f"only on several cards); data_parallel_size is {data_parallel_size}"
         )
     hp = dict(optimizer.hyperparams) if isinstance(optimizer, PaddleOptimizer) else {}
-    configs = getattr(strategy, f"{switch}_configs")
 
     if switch == "lars":
         if hp["use_nesterov"]:

@@ -1,0 +1,223 @@
+"""The gradient chain: the one place that composes a strategy's gradient transforms.
+
+    autocast --> value_and_grad (or the pipeline) --> micro-batching --> reducer, traced
+    under recompute
+
+* `amp.autocast` runs the loss (each part of a `PipelineLayer`) at the plan's precisions;
+* the loss, multiplied by the loss scale under AMP loss scaling, is differentiated by
+  `value_and_grad`, or by the `pipeline` over `pp` (which accumulates its micro-batches and
+  reduces over the data axes itself);
+* `gradient_merge.microbatched` splits the batch into the in-step merge's micro-batches;
+* a reducer over the data axes (`grad_allreduce.data_parallel`) where the strategy controls
+  the communication: fp16_allreduce, ZeRO-2/3's reduce-scatter, hierarchical all-reduce, or
+  in-step merge (reduced once, not once per micro-batch). Otherwise XLA inserts the
+  all-reduce itself, and per-replica optimizers (DGC, LocalSGD) communicate themselves;
+* all of it is traced in a `recompute.recompute_scope`, where the layers marked with
+  `fleetjax.recompute` are rematerialised by the plan's policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from fleetjax.mesh import data_axes, data_parallel_size, restrict
+from fleetjax.placement import Placement
+from fleetjax.plan import Plan
+from fleetjax.transforms import amp, grad_allreduce, gradient_merge, recompute
+from fleetjax.transforms.grad_fn import GradFn, Outputs, value_and_grad
+from fleetjax.transforms.loss_scale import DynamicLossScale
+from fleetjax.transforms.pipeline import PipelineLayer, pipeline, to_pipeline_order
+
+Loss = Callable[..., Any] | PipelineLayer
+
+
+class Signature(NamedTuple):
+    """What the user's loss takes and returns (`make_train_step`'s flags)."""
+
+    has_aux: bool = False
+    has_rng: bool = False
+    has_state: bool = False
+
+
+def grad_chain(
+    loss_fn: Loss,
+    plan: Plan,
+    mesh: Mesh,
+    placement: Placement,
+    signature: Signature,
+    loss_scale: DynamicLossScale | None = None,
+    *,
+    reduce: bool = True,
+) -> GradFn:
+    """The step's gradient function: `(params, model_state, batch[, key]) -> (Outputs, grads)`.
+
+    `reduce=False` leaves the gradients of each device's own rows (per-replica optimizers,
+    which run it inside their own `shard_map` over the data axes).
+    """
+    if plan.amp is not None:
+        loss_fn = _autocast(loss_fn, plan.amp.policy)
+    if plan.pipeline is not None:
+        grad_fn = _pipelined(loss_fn, plan, mesh, signature, loss_scale)
+    else:
+        grad_fn = value_and_grad(_normalised(loss_fn, signature, loss_scale))
+        merge = plan.in_step_merge
+        if merge is not None:
+            grad_fn = gradient_merge.microbatched(grad_fn, merge.k_steps, merge.avg)
+        reducer = _reducer(plan, mesh, placement) if reduce else None
+        if reducer is not None:
+            grad_fn = _reduced(grad_fn, reducer, plan, mesh, placement)
+    return _recomputed(grad_fn, plan, mesh)
+
+
+def _reduced(
+    grad_fn: GradFn,
+    reducer: tuple[grad_allreduce.Reducer, Any],
+    plan: Plan,
+    mesh: Mesh,
+    placement: Placement,
+) -> GradFn:
+    axes = data_axes(mesh)
+    over_data = lambda tree: jax.tree.map(lambda s: restrict(s.spec, axes), tree)  # noqa: E731
+    reduce_fn, scattered = reducer
+    return grad_allreduce.data_parallel(
+        grad_fn,
+        mesh,
+        axes,
+        reduce_fn,
+        None if scattered is None else over_data(scattered),
+        state_specs=over_data(placement.model_state),
+        # The hierarchical ring's results are equal on every replica, which JAX cannot prove.
+        check_vma=plan.hierarchical is None,
+    )
+
+
+def _recomputed(grad_fn: GradFn, plan: Plan, mesh: Mesh) -> GradFn:
+    """`grad_fn` traced with the layers marked for recompute under the plan's policy."""
+    r = plan.recompute
+    if r is None:
+        return grad_fn
+
+    def traced(*args: Any) -> tuple[Outputs, Any]:
+        with recompute.recompute_scope(
+            r.checkpoints,
+            policy=r.policy,
+            offload=r.offload,
+            checkpoint_shape=r.checkpoint_shape,
+            replicas=data_parallel_size(mesh),
+        ):
+            return grad_fn(*args)
+
+    return traced
+
+
+def _autocast(loss_fn: Loss, policy: amp.Policy) -> Loss:
+    if isinstance(loss_fn, PipelineLayer):
+        return dataclasses.replace(
+            loss_fn,
+            embed=amp.autocast(loss_fn.embed, policy),
+            stage=amp.autocast(loss_fn.stage, policy),
+            head_loss=amp.autocast(loss_fn.head_loss, policy),
+        )
+    return amp.autocast(loss_fn, policy)
+
+
+def _normalised(
+    loss_fn: Callable[..., Any], signature: Signature, loss_scale: DynamicLossScale | None
+) -> Callable[..., tuple[jax.Array, Outputs]]:
+    """`loss_fn` as `(params, model_state, batch, *rest) -> (loss to differentiate, Outputs)`,
+    whichever of aux and model state it has."""
+
+    def loss(params: Any, model_state: Any, batch: Any, *rest: Any) -> tuple:
+        if signature.has_state:  # (loss, new state) or (loss, aux, new state)
+            # Rebuilt here, so that flax Variables in it belong to this trace (nnx refuses
+            # to update a Variable made at another trace level).
+            model_state = jax.tree.map(lambda x: x, model_state)
+            *out, model_state = loss_fn(params, model_state, batch, *rest)
+        else:  # loss or (loss, aux)
+            out = loss_fn(params, batch, *rest)
+            out = out if signature.has_aux else (out,)
+        value, aux = out if signature.has_aux else (out[0], {})
+        scaled = value if loss_scale is None else loss_scale.scale(value)
+        return scaled, Outputs(value, aux, model_state)
+
+    return loss
+
+
+def vpp_degree(plan: Plan, model: PipelineLayer) -> int:
+    """The pipeline's virtual stages: the strategy's `vpp_degree` or the model's
+    `num_virtual_pipeline_stages`, which must agree where both are set."""
+    asked, own = plan.pipeline.vpp_degree, model.num_virtual_pipeline_stages
+    if asked > 1 and own > 1 and asked != own:
+        raise ValueError(
+            f"Strategy.pipeline.vpp_degree={asked} but the PipelineLayer has "
+            f"num_virtual_pipeline_stages={own}"
+        )
+    return max(asked, own)
+
+
+def stage_order(params: Any, plan: Plan, model: Loss, mesh: Mesh) -> Any:
+    """`params` as the pipeline keeps them: under VPP, stage s holds chunks s, s + P, ...
+    (`fleetjax.transforms.pipeline.to_model_order` goes back); otherwise as they are."""
+    if plan.pipeline is None or vpp_degree(plan, model) < 2:
+        return params
+    layers = to_pipeline_order(params.layers, mesh.shape["pp"], vpp_degree(plan, model))
+    return params._replace(layers=layers)
+
+
+def _pipelined(
+    model: PipelineLayer,
+    plan: Plan,
+    mesh: Mesh,
+    signature: Signature,
+    loss_scale: DynamicLossScale | None,
+) -> GradFn:
+    config = plan.pipeline
+    value_and_grad_fn = pipeline(
+        model.embed,
+        model.stage,
+        model.head_loss,
+        mesh=mesh,
+        micro_batch_size=config.micro_batch_size,
+        accumulate_steps=config.accumulate_steps,
+        schedule_mode=config.schedule_mode,
+        vpp_degree=vpp_degree(plan, model),
+        has_aux=signature.has_aux,
+        has_rng=signature.has_rng,
+    )
+    scale = None if loss_scale is None else loss_scale.loss_scale
+
+    def grad_fn(params: Any, model_state: None, batch: Any, *key: Any) -> tuple[Outputs, Any]:
+        out, grads = value_and_grad_fn(params, batch, *key, loss_scale=scale)
+        loss, aux = out if signature.has_aux else (out, {})
+        return Outputs(loss, aux, None), grads
+
+    return grad_fn
+
+
+def _reducer(
+    plan: Plan, mesh: Mesh, placement: Placement
+) -> tuple[grad_allreduce.Reducer, Any] | None:
+    """The explicit reducer over the data axes, with the gradients' placement when it leaves
+    each device a shard (ZeRO-2/3), or None where XLA's own all-reduce does."""
+    replicas = data_parallel_size(mesh)
+    zero2 = plan.sharding_stage >= 2 and mesh.shape.get("sharding", 1) > 1
+    dtype = jnp.dtype(plan.allreduce_dtype or jnp.float32)
+    if zero2:  # each device ends with only its shard of the reduced gradient
+        grads = placement.grads
+        specs = jax.tree.map(lambda s: restrict(s.spec, data_axes(mesh)), grads)
+        return grad_allreduce.scatter_mean(specs), grads
+    if plan.hierarchical is not None:
+        # A node is, by default, the replicas of one process (Paddle: of one machine).
+        per_node = plan.hierarchical.ranks_per_node or max(1, replicas // jax.process_count())
+        return grad_allreduce.hierarchical_mean(replicas, per_node, dtype), None
+    # Micro-batch gradients accumulate on each device and are reduced once (under GSPMD,
+    # XLA would all-reduce every micro-batch's gradient inside the loop).
+    if plan.allreduce_dtype is not None or (plan.in_step_merge is not None and replicas > 1):
+        return grad_allreduce.mean_in(dtype), None
+    return None

@@ -1,0 +1,102 @@
+"""`fleet.distributed_optimizer`: the optimizer a strategy trains with, bound to its plan and
+mesh."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import optax
+from jax.sharding import Mesh
+
+from fleetjax import xla_flags
+from fleetjax.mesh import data_axes, data_parallel_size
+from fleetjax.optimizers import rebuild
+from fleetjax.plan import Plan, check_mesh, mesh_for, read_plan
+from fleetjax.strategy import DistributedStrategy, Strategy
+
+__all__ = ["DistributedOptimizer", "bind", "distributed_optimizer"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedOptimizer:
+    """An optax transformation bound to the strategy and mesh it runs under.
+
+    Attributes:
+      inner: what the strategy trains with: the user's optimizer, or Paddle's rebuild of it
+        (LARS from a Momentum, LAMB from an Adam, DGC, LocalSGD). It has `init` and `update`
+        like any optax transformation.
+      strategy: a copy of the strategy.
+      mesh: the device mesh.
+      user: the optimizer the user gave.
+      plan: the strategy's plan.
+    """
+
+    inner: optax.GradientTransformation
+    strategy: DistributedStrategy | Strategy
+    mesh: Mesh
+    user: optax.GradientTransformation
+    plan: Plan
+
+    @property
+    def init(self) -> Any:
+        return self.inner.init
+
+    @property
+    def update(self) -> Any:
+        return self.inner.update
+
+
+def bind(
+    optimizer: optax.GradientTransformation,
+    strategy: DistributedStrategy | Strategy | None = None,
+    mesh: Mesh | None = None,
+) -> DistributedOptimizer:
+    """`optimizer` bound to `strategy` and `mesh`; a `DistributedOptimizer` given keeps what it
+    was bound to where those are not given, and is rebuilt only if they differ."""
+    if isinstance(optimizer, DistributedOptimizer):
+        strategy = optimizer.strategy if strategy is None else strategy
+        mesh = optimizer.mesh if mesh is None else mesh
+        if strategy == optimizer.strategy and mesh == optimizer.mesh:
+            return optimizer
+        optimizer = optimizer.user
+    if not (
+        callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
+    ):
+        raise TypeError(
+            "optimizer must be an optax GradientTransformation (with init and update), "
+            f"got {type(optimizer).__name__}"
+        )
+    strategy = DistributedStrategy() if strategy is None else strategy
+    plan = read_plan(strategy)
+    # Before anything starts JAX's backend (building the mesh does); fleet.init did it already.
+    xla_flags.apply(plan.xla_flags, plan.strategy)
+    if mesh is None:
+        mesh = mesh_for(plan)
+    else:
+        check_mesh(plan, mesh)
+    inner = optimizer
+    if plan.optimizer is not None:
+        switch = plan.optimizer
+        inner = rebuild(
+            optimizer, switch.name, switch.configs, data_parallel_size(mesh), data_axes(mesh)
+        )
+    return DistributedOptimizer(inner, strategy.__copy__(), mesh, optimizer, plan)
+
+
+def distributed_optimizer(
+    optimizer: optax.GradientTransformation,
+    strategy: DistributedStrategy | Strategy | None = None,
+    mesh: Mesh | None = None,
+) -> DistributedOptimizer:
+    """Bind `optimizer` to a copy of `strategy` (default: plain data parallel) and `mesh`
+    (default: built from the strategy over all devices), rebuilding it as the strategy says.
+
+    Raises:
+      TypeError: if `optimizer` is not an optax transformation, `strategy` not a strategy, or
+        a switch that rebuilds the optimizer (lars, lamb, dgc) gets a plain optax one.
+      ValueError: if a switch cannot apply (LARS on Adam, DGC with one replica, ...).
+    """
+    if isinstance(optimizer, DistributedOptimizer):
+        optimizer = optimizer.user
+    return bind(optimizer, strategy, mesh)

@@ -1,0 +1,190 @@
+"""Placement: where the train state, the gradients and the batch live on the mesh.
+
+`place(plan, mesh, abstract_state, optimizer)` computes it once, from shapes alone (nothing
+runs, so it works for meshes of compile-only devices too):
+
+* the batch: its leading dimension split over the data axes (`dp` x `sharding`);
+* parameters: split by their logical axis names (or `param_specs`) over `mp`, a pipeline's
+  stacked layers over `pp`, and under ZeRO stage 3 also over `sharding` (`zero_spec`);
+* gradients: as the parameters, under ZeRO stages 2 and 3 also over `sharding`;
+* optimizer state: as its parameters, under any ZeRO stage also over `sharding`, in pinned
+  host memory under `optimize_offload`;
+* model state (batch-norm statistics): by `state_specs` or logical axis names;
+* under DGC and LocalSGD (per-replica optimizers) the optimizer state, and under LocalSGD
+  the parameters, are stacked on a leading replica axis split over the data axes; each
+  replica's gradient is its own, so the gradients have no placement.
+
+`TrainStep`, `explain` and `fleet.distributed_model` all read this one placement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from fleetjax.layers import partition_specs
+from fleetjax.mesh import batch_sharding, data_axes, replicated, spec_axes, zero_spec
+from fleetjax.plan import Plan
+from fleetjax.train_state import TrainState
+from fleetjax.transforms.pipeline import PipelineParams
+
+__all__ = ["Placement", "model_state_shardings", "param_shardings", "place"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where each part of a train step's data lives: `NamedSharding`s shaped like it.
+
+    Attributes:
+      state: a `TrainState` of shardings (a prefix of the state's pytree).
+      grads: the reduced gradients' shardings, like the parameters; None under per-replica
+        optimizers (DGC, LocalSGD), where each replica keeps its own full gradient.
+      batch: the batch's sharding (every leaf split on its leading dimension).
+    """
+
+    state: TrainState
+    grads: Any | None
+    batch: NamedSharding
+
+    @property
+    def params(self) -> Any:
+        return self.state.params
+
+    @property
+    def opt_state(self) -> Any:
+        return self.state.opt_state
+
+    @property
+    def model_state(self) -> Any:
+        return self.state.model_state
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def _shardings(mesh: Mesh, specs: Any, memory_kind: str = "device") -> Any:
+    return jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec, memory_kind=memory_kind), specs, is_leaf=_is_spec
+    )
+
+
+def _tensor_specs(plan: Plan, mesh: Mesh, params: Any, param_specs: Any) -> Any:
+    """The parameters' split over the non-data axes: `param_specs`, by default from the
+    parameters' logical axis names, with a pipeline's stacked layers split over `pp`."""
+    specs = param_specs if param_specs is not None else partition_specs(params, mesh=mesh)
+    if plan.pipeline is None:
+        return specs
+    if not isinstance(specs, PipelineParams):
+        raise TypeError(
+            "the strategy asks for a pipeline: the parameters must be the PipelineParams("
+            f"embed, layers, head) the pipeline trains, not {type(specs).__name__}"
+        )
+    by_stage = lambda spec: PartitionSpec("pp", *tuple(spec)[1:])  # noqa: E731
+    return specs._replace(layers=jax.tree.map(by_stage, specs.layers, is_leaf=_is_spec))
+
+
+def _check_mp_used(mesh: Mesh, specs: Any) -> None:
+    split = {a for s in jax.tree.leaves(specs, is_leaf=_is_spec) for a in spec_axes(s)}
+    if mesh.shape.get("mp", 1) > 1 and "mp" not in split:
+        raise ValueError(
+            f"the mesh has an mp axis of size {mesh.shape['mp']}, but no parameter is "
+            "split over it, so every mp device would compute the same: give parameters "
+            "logical axis names (fleetjax.layers) or pass param_specs"
+        )
+
+
+def _zero_specs(plan: Plan, mesh: Mesh, specs: Any, params: Any) -> Any:
+    """`specs` also split over `sharding` where ZeRO's rule finds a dimension (any stage)."""
+    if not plan.sharding_stage:
+        return specs
+    return jax.tree.map(lambda s, x: zero_spec(s, x.shape, mesh), specs, params, is_leaf=_is_spec)
+
+
+def param_shardings(plan: Plan, mesh: Mesh, params: Any, param_specs: Any = None) -> Any:
+    """Where a train step's `init` takes `params` (arrays or `jax.ShapeDtypeStruct`s): split
+    for tensor and pipeline parallelism and, under ZeRO stage 3, over `sharding`; replicated
+    under per-replica optimizers (each replica's copy is made inside `init`)."""
+    if plan.per_replica:
+        return jax.tree.map(lambda _: replicated(mesh), params)
+    specs = _tensor_specs(plan, mesh, params, param_specs)
+    if plan.sharding_stage == 3:
+        specs = _zero_specs(plan, mesh, specs, params)
+    return _shardings(mesh, specs)
+
+
+def model_state_shardings(mesh: Mesh, model_state: Any, state_specs: Any = None) -> Any:
+    """Where the model state lives: `state_specs`, by default read from logical axis names
+    (a local `fleetjax.layers.BatchNorm`'s statistics split over the data axes; plain arrays
+    replicated)."""
+    specs = state_specs if state_specs is not None else partition_specs(model_state, mesh=mesh)
+    return _shardings(mesh, specs)
+
+
+def _opt_state_specs(optimizer: optax.GradientTransformation, opt_state: Any, specs: Any) -> Any:
+    """The optimizer state's specs: each copy of the parameter tree in it as `specs`, the rest
+    (step counts and the like) replicated. Traced, so that the optimizer's `init`, which optax
+    runs to find the parameter trees, computes nothing."""
+    found = []
+
+    def trace() -> None:
+        found.append(
+            optax.tree_utils.tree_map_params(
+                optimizer,
+                lambda _, spec: spec,
+                opt_state,
+                specs,
+                transform_non_params=lambda _: PartitionSpec(),
+                is_leaf=_is_spec,
+            )
+        )
+
+    jax.eval_shape(trace)
+    return found[0]
+
+
+def place(
+    plan: Plan,
+    mesh: Mesh,
+    abstract_state: TrainState,
+    optimizer: optax.GradientTransformation,
+    *,
+    param_specs: Any = None,
+    state_specs: Any = None,
+) -> Placement:
+    """The `Placement` of a train step under `plan` on `mesh`, for a state with the shapes of
+    `abstract_state` (`jax.ShapeDtypeStruct`s) and its `optimizer`. Nothing is computed.
+
+    Raises:
+      ValueError: if the mesh has an `mp` axis but no parameter is split over it.
+      TypeError: if the plan has a pipeline and the parameters are not `PipelineParams`.
+    """
+    rep = replicated(mesh)
+    params = abstract_state.params
+    if plan.per_replica:
+        stacked = NamedSharding(mesh, PartitionSpec(data_axes(mesh)))
+        params_at = jax.tree.map(lambda _: stacked if plan.replica_params else rep, params)
+        opt_at = jax.tree.map(lambda _: stacked, abstract_state.opt_state)
+        grads = None
+    else:
+        specs = _tensor_specs(plan, mesh, params, param_specs)
+        _check_mp_used(mesh, specs)
+        zero = _zero_specs(plan, mesh, specs, params)
+        memory = "pinned_host" if plan.optimizer_offload else "device"
+        opt_specs = _opt_state_specs(optimizer, abstract_state.opt_state, zero)
+        opt_at = _shardings(mesh, opt_specs, memory)
+        params_at = _shardings(mesh, zero if plan.sharding_stage == 3 else specs)
+        grads = _shardings(mesh, zero if plan.sharding_stage >= 2 else specs)
+    state = TrainState(
+        step=rep,
+        params=params_at,
+        opt_state=opt_at,
+        rng=rep,
+        loss_scale=None if abstract_state.loss_scale is None else rep,
+        model_state=model_state_shardings(mesh, abstract_state.model_state, state_specs),
+    )
+    return Placement(state, grads, batch_sharding(mesh))

@@ -1,0 +1,106 @@
+"""The mesh a strategy asks for: its degrees and axis order, and the mesh built from them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import Mesh
+
+from fleetjax._schema import DEFAULT_ORDER
+from fleetjax.mesh import AXES, build_mesh, check_order
+from fleetjax.plan._values import Degrees, Plan
+from fleetjax.strategy import DistributedStrategy, Strategy
+
+# hybrid_configs degrees of axes fleetjax's mesh does not have yet.
+_NO_AXIS = ("sep_degree", "cp_degree", "cp_sharding_degree", "ep_degree", "moe_sharding_degree")
+
+
+def strategy_degrees(strategy: DistributedStrategy | Strategy) -> Degrees:
+    """The mesh degrees a strategy asks for (`dp` may be -1: all devices left).
+
+    `DistributedStrategy` reads `hybrid_configs`, or `sharding_configs` when `sharding` is on,
+    or `tensor_parallel_configs` when `tensor_parallel` is on; a degree set in two of them to
+    different values is an error. `Strategy` reads `sharding.degree` and `pipeline.pp_degree`
+    of the enabled sections.
+    """
+    if isinstance(strategy, Strategy):
+        return Degrees(
+            sharding=strategy.sharding.degree if strategy.sharding.enable else 1,
+            pp=strategy.pipeline.pp_degree if strategy.pipeline.enable else 1,
+        )
+    hybrid = strategy.hybrid_configs
+    for name in _NO_AXIS:
+        if hybrid[name] != 1:
+            raise NotImplementedError(
+                f"hybrid_configs.{name}={hybrid[name]}: fleetjax's mesh has no such axis yet; "
+                f"its axes are {', '.join(AXES)}"
+            )
+    keys = {a: f"{a}_degree" for a in AXES}
+    sources = [("hybrid_configs", hybrid, keys)]
+    if strategy.sharding:
+        sources.append(("sharding_configs", strategy.sharding_configs, keys))
+    if strategy.tensor_parallel:
+        keys = {"mp": "tensor_parallel_degree"}
+        sources.append(("tensor_parallel_configs", strategy.tensor_parallel_configs, keys))
+    degrees = Degrees()._asdict()
+    where: dict[str, str] = {}
+    for label, config, keys in sources:
+        for axis, key in keys.items():
+            if not config.is_set(key):
+                continue
+            value = config[key]
+            if axis in where and value != degrees[axis]:
+                raise ValueError(
+                    f"the {axis} degree is set twice: {where[axis]}={degrees[axis]} "
+                    f"but {label}.{key}={value}"
+                )
+            degrees[axis], where[axis] = value, f"{label}.{key}"
+    if strategy.sharding and "sharding" not in where:
+        degrees["sharding"] = strategy.sharding_configs["sharding_degree"]  # Paddle's 8
+    return Degrees(**degrees)
+
+
+def set_degrees(strategy: DistributedStrategy | Strategy) -> tuple[str, ...]:
+    """The axes whose degree `hybrid_configs` sets explicitly (`dp=-1` counts as unset)."""
+    if isinstance(strategy, Strategy):
+        return ()
+    hybrid = strategy.hybrid_configs
+    return tuple(
+        a
+        for a in AXES
+        if hybrid.is_set(f"{a}_degree") and not (a == "dp" and hybrid[f"{a}_degree"] == -1)
+    )
+
+
+def strategy_order(strategy: DistributedStrategy | Strategy) -> tuple[str, ...]:
+    """The mesh axis order, slowest-varying first (Paddle's `hybrid_configs["order"]`)."""
+    if isinstance(strategy, DistributedStrategy):
+        return check_order(strategy.hybrid_configs["order"])
+    return check_order(DEFAULT_ORDER)
+
+
+def mesh_for(plan: Plan, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The mesh `plan` asks for, over `devices` (default: all, grouped by process)."""
+    return build_mesh(*plan.degrees, order=plan.order, devices=devices)
+
+
+def check_mesh(plan: Plan, mesh: Mesh) -> None:
+    """`mesh` must use fleetjax's axis names and have the sizes `plan` asks for.
+
+    Raises:
+      ValueError: naming the axis, the degree asked for and the mesh's size.
+    """
+    unknown = [a for a in mesh.axis_names if a not in AXES]
+    if unknown:
+        raise ValueError(
+            f"mesh axes {unknown} are not fleetjax axes; name mesh axes from {', '.join(AXES)}"
+        )
+    for axis, degree in plan.degrees._asdict().items():
+        size = mesh.shape.get(axis, 1)
+        asked = degree != (-1 if axis == "dp" else 1)
+        if asked and degree != size:
+            raise ValueError(
+                f"the strategy asks for {axis} degree {degree}, but the mesh's {axis} axis "
+                f"has size {size}"
+            )

@@ -1,0 +1,358 @@
+"""`read_plan`: the one reader of a strategy object.
+
+Both `DistributedStrategy` and `Strategy` map onto the same `Plan`. Reading validates: it raises
+for what fleetjax cannot apply (a switch not built yet, contradictory settings) and warns once
+for each setting without effect, naming why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Any
+
+from fleetjax._warnings import warn_once
+from fleetjax.plan import _knobs
+from fleetjax.plan._degrees import set_degrees, strategy_degrees, strategy_order
+from fleetjax.plan._values import (
+    PER_REPLICA_SWITCHES,
+    Amp,
+    GradientMerge,
+    Hierarchical,
+    LossScaling,
+    NoEffect,
+    OptimizerSwitch,
+    Pipeline,
+    Plan,
+    Recompute,
+)
+from fleetjax.strategy import DistributedStrategy, Strategy
+from fleetjax.transforms import amp
+from fleetjax.transforms.pipeline import SCHEDULE_MODES
+
+# Paddle's optimizer switches, each rebuilding or wrapping the user's optimizer.
+OPTIMIZER_SWITCHES = ("lars", "lamb", "dgc", "localsgd", "adaptive_localsgd")
+
+# Switches that change the computation and are not built yet.
+_NOT_YET_DISTRIBUTED = {
+    "asp": "2:4 structured sparsity (ASP)",
+    "qat": "quantization-aware training",
+    "semi_auto": "semi-automatic parallelism",
+    "auto_search": "automatic parallel search",
+}
+
+# Switches the `auto` planner decides (or that replace data parallelism's gradient all-reduce),
+# which Paddle's `auto` requires to be off. `hybrid_configs` degrees may be set: they fix degrees.
+PLANNED_SWITCHES = (
+    "sharding",
+    "pipeline",
+    "tensor_parallel",
+    "recompute",
+    "gradient_merge",
+    "dgc",
+    "localsgd",
+    "adaptive_localsgd",
+    "fp16_allreduce",
+    "semi_auto",
+    "auto_search",
+)
+
+
+def read_plan(strategy: DistributedStrategy | Strategy) -> Plan:
+    """The `Plan` for `strategy`.
+
+    Raises:
+      TypeError: if `strategy` is not a `DistributedStrategy` or `Strategy`.
+      NotImplementedError: for a switch fleetjax cannot apply yet.
+      ValueError: for settings that contradict each other.
+
+    Warns once (`StrategyWarning`) for each setting without effect, naming why.
+    """
+    if isinstance(strategy, Strategy):
+        plan = _auto_parallel_plan(strategy)
+    elif isinstance(strategy, DistributedStrategy):
+        plan = _fleet_plan(strategy)
+    else:
+        raise TypeError(
+            "strategy must be a fleetjax.DistributedStrategy or fleetjax.Strategy, "
+            f"got {type(strategy).__name__}"
+        )
+    plan = _checked_combinations(plan)
+    for knob, why in plan.no_effect:
+        warn_once(f"{plan.strategy}.{knob} has no effect in fleetjax: {why}")
+    return plan
+
+
+# -- DistributedStrategy -----------------------------------------------------------------------
+
+
+def _fleet_plan(s: DistributedStrategy) -> Plan:
+    _check_supported(s)
+    switch = _optimizer_switch(s)
+    if switch is not None and switch.name in PER_REPLICA_SWITCHES and s.fp16_allreduce:
+        raise ValueError(
+            f"fp16_allreduce and {switch.name} cannot be combined: {switch.name} does its own "
+            "communication, with no dense gradient all-reduce to run in half precision"
+        )
+    stage, offload = _sharding(s)
+    pipe = s.pipeline_configs
+    recompute = s.recompute_configs
+    return Plan(
+        strategy="DistributedStrategy",
+        degrees=strategy_degrees(s),
+        set_degrees=set_degrees(s),
+        order=strategy_order(s),
+        recompute=_recompute(
+            "DistributedStrategy.recompute",
+            recompute,
+            "recompute_configs",
+            tuple(recompute["checkpoint_shape"]),
+        )
+        if s.recompute
+        else None,
+        amp=_fleet_amp(s),
+        gradient_merge=_fleet_merge(s),
+        allreduce_dtype=s.fp16_allreduce_dtype if s.fp16_allreduce else None,
+        hierarchical=Hierarchical(
+            # Paddle's default: the devices of one machine.
+            s.hierarchical_allreduce_inter_nranks
+            if s.is_set("hierarchical_allreduce_inter_nranks")
+            else None
+        )
+        if s.use_hierarchical_allreduce
+        else None,
+        sharding_stage=stage,
+        optimizer_offload=offload,
+        pipeline=_pipeline(
+            pipe["schedule_mode"], pipe["micro_batch_size"], pipe["accumulate_steps"], 0
+        )
+        if s.pipeline or s.hybrid_configs["pp_degree"] > 1
+        else None,
+        iterations_per_run=s.execution_strategy.num_iteration_per_run,
+        optimizer=switch,
+        sync_batch_norm=s.sync_batch_norm,
+        auto=s.auto,
+        xla_flags=_knobs.flags_for(s),
+        no_effect=_knobs.no_effect(s),
+    )
+
+
+def _check_supported(s: DistributedStrategy) -> None:
+    for name, what in _NOT_YET_DISTRIBUTED.items():
+        if getattr(s, name):
+            raise _unsupported(what, f"DistributedStrategy.{name}=True")
+    on = [name for name in PLANNED_SWITCHES if s.auto and getattr(s, name)]
+    if on:
+        raise ValueError(
+            f"DistributedStrategy.auto=True and {on[0]}=True: Paddle applies auto only when no "
+            f"other parallel switch is set ({', '.join(PLANNED_SWITCHES)}); turn {on[0]} off "
+            "and let the planner choose, or turn auto off and set the strategy yourself"
+        )
+    scale = s.gradient_scale_configs["scale_strategy"]
+    if scale != "avg":
+        raise _unsupported(
+            "gradient scaling other than the mean over replicas",
+            f"gradient_scale_configs.scale_strategy={scale!r}",
+        )
+
+
+def _unsupported(what: str, setting: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"{setting}: {what} is not available in this version of fleetjax; "
+        "turn it off to train without it"
+    )
+
+
+def _optimizer_switch(s: DistributedStrategy) -> OptimizerSwitch | None:
+    on = [name for name in OPTIMIZER_SWITCHES if getattr(s, name)]
+    if len(on) > 1:
+        raise ValueError(
+            f"strategy turns on {' and '.join(on)}; Paddle applies at most one of "
+            f"{', '.join(OPTIMIZER_SWITCHES)} (it drops the others); turn all but one off"
+        )
+    if not on:
+        return None
+    configs = getattr(s, f"{on[0]}_configs")
+    return OptimizerSwitch(on[0], types.MappingProxyType(dict(configs.to_dict())))
+
+
+def _fleet_amp(s: DistributedStrategy) -> Amp | None:
+    if not s.amp:
+        return None
+    c = s.amp_configs
+    if c["use_pure_fp16"] and c["use_pure_bf16"]:
+        raise ValueError("amp_configs: use_pure_fp16 and use_pure_bf16 cannot both be True")
+    if c["use_pure_bf16"]:
+        dtype, level = "bfloat16", "O2"
+    elif c["use_pure_fp16"]:
+        dtype, level = "float16", "O2"
+    else:
+        dtype, level = c["dtype"], "O1"
+    policy = amp.policy(
+        dtype,
+        level,
+        c["custom_white_list"],
+        c["custom_black_list"],
+        c["custom_black_varnames"],
+        # Paddle applies use_fp16_guard to pure float16 only.
+        use_guard=c["use_fp16_guard"] and c["use_pure_fp16"],
+    )
+    return Amp(policy, _loss_scaling(c, dtype))
+
+
+def _fleet_merge(s: DistributedStrategy) -> GradientMerge | None:
+    """From `gradient_merge_configs`, or `sharding_configs.gradient_merge_acc_step` under
+    sharding (Paddle's sharding gradient merge, which runs across calls)."""
+    config = s.gradient_merge_configs
+    merge = (config["k_steps"], config["avg"], config["mode"] == "in_step")
+    acc_step = s.sharding_configs["gradient_merge_acc_step"] if s.sharding else 1
+    if s.gradient_merge and config["k_steps"] > 1:
+        if acc_step > 1 and acc_step != config["k_steps"]:
+            raise ValueError(
+                f"gradient merge is set twice: gradient_merge_configs.k_steps="
+                f"{config['k_steps']} but sharding_configs.gradient_merge_acc_step={acc_step}"
+            )
+        return GradientMerge(*merge)
+    return GradientMerge(acc_step, True, False) if acc_step > 1 else None
+
+
+def _sharding(s: DistributedStrategy) -> tuple[int, bool]:
+    """(ZeRO stage, optimizer offload): from `sharding_configs` when `sharding` is on, or
+    Paddle's dygraph rule: `hybrid_configs.sharding_degree > 1` shards the optimizer state
+    (stage 1; stage 2 with the flattened buffers of `sharding_configs.split_param`)."""
+    if s.sharding:
+        return s.sharding_configs["stage"], s.sharding_configs["optimize_offload"]
+    if s.hybrid_configs["sharding_degree"] > 1:
+        return 2 if s.hybrid_configs["sharding_configs"]["split_param"] else 1, False
+    return 0, False
+
+
+# -- Strategy (auto-parallel) ------------------------------------------------------------------
+
+
+def _auto_parallel_plan(s: Strategy) -> Plan:
+    merge, recompute, pipe = s.gradient_merge, s.recompute, s.pipeline
+    return Plan(
+        strategy="Strategy",
+        degrees=strategy_degrees(s),
+        order=strategy_order(s),
+        recompute=_recompute("Strategy.recompute.enable", recompute, "Strategy.recompute")
+        if recompute.enable
+        else None,
+        amp=_auto_parallel_amp(s),
+        gradient_merge=GradientMerge(merge.k_steps, merge.avg, merge.mode == "in_step")
+        if merge.enable and merge.k_steps > 1
+        else None,
+        sharding_stage=s.sharding.stage if s.sharding.enable else 0,
+        pipeline=_pipeline(
+            pipe.schedule_mode, pipe.micro_batch_size, pipe.accumulate_steps, pipe.vpp_degree
+        )
+        if pipe.enable
+        else None,
+        xla_flags=_knobs.flags_for(s),
+        no_effect=_knobs.no_effect(s),
+    )
+
+
+def _auto_parallel_amp(s: Strategy) -> Amp | None:
+    c = s.amp
+    if not c.enable:
+        return None
+    level = c.level.upper()
+    guard = c.use_fp16_guard if c.dtype == "float16" else c.use_bf16_guard
+    policy = amp.policy(
+        c.dtype,
+        level,
+        c.custom_white_list,
+        c.custom_black_list,
+        c.custom_black_varnames,
+        use_guard=guard and level == "O2",
+        promote=c.use_promote,
+    )
+    return Amp(policy, _loss_scaling(c, c.dtype))
+
+
+# -- shared by both ----------------------------------------------------------------------------
+
+
+def _recompute(switch: str, config: Any, where: str, shape: tuple[int, ...] = ()) -> Recompute:
+    checkpoints, policy = tuple(config["checkpoints"]), config["policy"] or None
+    if not checkpoints and policy is None:
+        raise ValueError(
+            f"{switch} is on but keeps nothing: set {where}['checkpoints'] to the activation "
+            f"names given with fleetjax.checkpoint_name, or {where}['policy'] to a "
+            "jax.checkpoint_policies name (e.g. 'dots_saveable', or 'nothing_saveable' to "
+            "recompute everything)"
+        )
+    return Recompute(checkpoints, policy, bool(config.get("enable_offload", False)), shape)
+
+
+def _loss_scaling(config: Any, dtype: str) -> LossScaling | None:
+    # bfloat16 has float32's range, so it needs no loss scaling unless asked for explicitly.
+    if dtype == "bfloat16" and not config.is_set("use_dynamic_loss_scaling"):
+        return None
+    return LossScaling(
+        init_loss_scaling=config["init_loss_scaling"],
+        dynamic=config["use_dynamic_loss_scaling"],
+        incr_every_n_steps=config["incr_every_n_steps"],
+        decr_every_n_nan_or_inf=config["decr_every_n_nan_or_inf"],
+        incr_ratio=config["incr_ratio"],
+        decr_ratio=config["decr_ratio"],
+    )
+
+
+def _pipeline(mode: str, micro_batch_size: int, accumulate_steps: int, vpp: int) -> Pipeline:
+    if mode not in SCHEDULE_MODES:
+        raise NotImplementedError(
+            f"pipeline schedule_mode {mode!r} is not available in this version of fleetjax; "
+            f"use one of {', '.join(SCHEDULE_MODES)}"
+        )
+    return Pipeline(mode, micro_batch_size, accumulate_steps, vpp)
+
+
+def _checked_combinations(plan: Plan) -> Plan:
+    if plan.sharding_stage and plan.per_replica:
+        raise ValueError(
+            "ZeRO sharding and dgc/localsgd cannot be combined: they keep per-replica "
+            "optimizer state, ZeRO splits one copy of it over the sharding axis"
+        )
+    if plan.pipeline is not None:
+        merge = plan.gradient_merge
+        clash = (
+            "gradient merge in one call (the pipeline's accumulate_steps is that)"
+            if merge is not None and merge.in_step
+            else "dgc/localsgd"
+            if plan.per_replica
+            else "fp16_allreduce"
+            if plan.allreduce_dtype is not None
+            else None
+        )
+        if clash:
+            raise ValueError(f"the pipeline does not combine with {clash}")
+    if plan.hierarchical is not None:
+        clash = (
+            "ZeRO stage 2/3 (it reduce-scatters over the sharding axis)"
+            if plan.sharding_stage >= 2
+            else "dgc/localsgd (they do their own communication)"
+            if plan.per_replica
+            else "the pipeline (it reduces over the data axes itself)"
+            if plan.pipeline is not None
+            else None
+        )
+        if clash:
+            raise ValueError(f"use_hierarchical_allreduce does not combine with {clash}")
+    if plan.sharding_stage and plan.allreduce_dtype is not None:
+        # Paddle turns fp16_allreduce off under sharding.
+        return dataclasses.replace(
+            plan,
+            allreduce_dtype=None,
+            no_effect=(
+                *plan.no_effect,
+                NoEffect(
+                    "fp16_allreduce=True",
+                    "turned off under ZeRO sharding, as Paddle does (its gradients are "
+                    "reduce-scattered over the sharding axis by the compiler)",
+                ),
+            ),
+        )
+    return plan

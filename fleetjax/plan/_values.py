@@ -1,0 +1,132 @@
+"""The values a `Plan` is made of: plain, frozen, and free of strategy objects."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from fleetjax.transforms import amp
+from fleetjax.xla_flags import Flag
+
+# The optimizer switches after which each data-parallel replica steps its own optimizer state
+# (they do their own communication), and of those, the ones whose parameters drift apart too.
+PER_REPLICA_SWITCHES = ("dgc", "localsgd", "adaptive_localsgd")
+REPLICA_PARAMS_SWITCHES = ("localsgd", "adaptive_localsgd")
+
+
+class Degrees(NamedTuple):
+    """The mesh degrees; `dp=-1` means all devices the others leave."""
+
+    dp: int = -1
+    sharding: int = 1
+    pp: int = 1
+    mp: int = 1
+
+
+class NoEffect(NamedTuple):
+    """A setting that has no effect in fleetjax, and why."""
+
+    knob: str  # e.g. "nccl_comm_num=2"
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Recompute:
+    checkpoints: tuple[str, ...]
+    policy: str | None
+    offload: bool
+    checkpoint_shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaling:
+    init_loss_scaling: float
+    dynamic: bool
+    incr_every_n_steps: int
+    decr_every_n_nan_or_inf: int
+    incr_ratio: float
+    decr_ratio: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Amp:
+    policy: amp.Policy
+    loss_scaling: LossScaling | None  # None: no scaling and no skipping (bfloat16's default)
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientMerge:
+    k_steps: int
+    avg: bool
+    in_step: bool  # True: micro-batches within one call; False: the optimizer runs every k calls
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    schedule_mode: str
+    micro_batch_size: int
+    accumulate_steps: int
+    vpp_degree: int  # 0: the model's own num_virtual_pipeline_stages
+
+
+@dataclasses.dataclass(frozen=True)
+class Hierarchical:
+    """`use_hierarchical_allreduce`: the gradient all-reduce in two levels, within and across
+    nodes of `ranks_per_node` devices (None: each process's devices are a node)."""
+
+    ranks_per_node: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSwitch:
+    """One of Paddle's optimizer switches (`lars`, `lamb`, `dgc`, `localsgd`,
+    `adaptive_localsgd`) and its `*_configs`, which rebuild or wrap the user's optimizer."""
+
+    name: str
+    configs: Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything a strategy asks for, decoded once by `read_plan`: the mesh, the transforms
+    of the train step (None means off), the optimizer switch, the XLA flags and the settings
+    without effect. Nothing downstream reads a strategy object."""
+
+    strategy: str = "DistributedStrategy"  # the class it was read from, for messages
+    degrees: Degrees = dataclasses.field(default_factory=Degrees)
+    set_degrees: tuple[str, ...] = ()  # the axes whose degree the strategy sets explicitly
+    order: tuple[str, ...] = ("dp", "pp", "sharding", "mp")  # mesh axes, slowest-varying first
+    recompute: Recompute | None = None
+    amp: Amp | None = None
+    gradient_merge: GradientMerge | None = None
+    allreduce_dtype: str | None = None  # fp16_allreduce: the dtype gradients are summed in
+    hierarchical: Hierarchical | None = None
+    # ZeRO over the `sharding` axis: 0 off; 1 optimizer state, 2 + gradients, 3 + parameters.
+    sharding_stage: int = 0
+    optimizer_offload: bool = False  # the optimizer state lives in pinned host memory
+    pipeline: Pipeline | None = None
+    # execution_strategy.num_iteration_per_run: optimizer steps per `TrainStep.run` call (None:
+    # any number; `Strategy` has no such knob).
+    iterations_per_run: int | None = None
+    optimizer: OptimizerSwitch | None = None
+    sync_batch_norm: bool | None = None  # None: the strategy has no such switch (`Strategy`)
+    auto: bool = False  # DistributedStrategy.auto: `fleetjax.auto.search` picks the layout
+    xla_flags: tuple[Flag, ...] = ()
+    no_effect: tuple[NoEffect, ...] = ()
+
+    @property
+    def per_replica(self) -> bool:
+        """Whether each data-parallel replica steps its own optimizer state (DGC, LocalSGD)."""
+        return self.optimizer is not None and self.optimizer.name in PER_REPLICA_SWITCHES
+
+    @property
+    def replica_params(self) -> bool:
+        """Whether each replica's parameters drift apart between syncs (LocalSGD)."""
+        return self.optimizer is not None and self.optimizer.name in REPLICA_PARAMS_SWITCHES
+
+    @property
+    def in_step_merge(self) -> GradientMerge | None:
+        """The gradient merge that splits one call's batch into micro-batches, if any."""
+        merge = self.gradient_merge
+        return merge if merge is not None and merge.in_step else None

@@ -1,0 +1,37 @@
+"""Compile for NVIDIA GPUs that are not there: compile-only devices of a named GPU, its roofline
+constants, and the flops and bytes of what XLA compiled for it.
+
+```python
+# JAX_PLATFORMS=cpu in the environment; pip install 'fleetjax[aot]'
+from fleetjax import targets
+
+mesh = targets.mesh("h100", 64, sharding=8, mp=8)  # 8 hosts of 8 H100s
+compiled = jax.jit(step).lower(abstract_state, abstract_batch).compile()
+compiled.memory_analysis()  # per-device bytes, as XLA:GPU plans them
+compiled.as_text()  # the scheduled GPU HLO: all-gather-start, Triton GEMM fusions, ...
+targets.cost_analysis(compiled)  # flops and memory bytes; compiled.cost_analysis() is None
+targets.get("h100").spec.peak_bf16_flops  # 989.4e12
+```
+
+The devices come from jax's CUDA plugin (`jax.experimental.topologies.get_topology_desc` with
+a `stream_executor.GpuTargetConfigProto`, shipped here per GPU); they lower and compile but
+never run. Without a GPU there is no autotuning: XLA picks its default GEMM configurations.
+See docs/gpu_targets.md.
+"""
+
+from fleetjax.targets._cost import Cost, cost_analysis
+from fleetjax.targets._gpus import TARGETS, GpuSpec, Target, get, of
+from fleetjax.targets._topology import devices, mesh, plugin_installed
+
+__all__ = [
+    "TARGETS",
+    "Cost",
+    "GpuSpec",
+    "Target",
+    "cost_analysis",
+    "devices",
+    "get",
+    "mesh",
+    "of",
+    "plugin_installed",
+]

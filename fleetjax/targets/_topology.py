@@ -1,0 +1,109 @@
+"""Compile-only devices of a named GPU, from jax's CUDA plugin, on a machine without them."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Sequence
+
+import jax
+from jax.experimental import topologies
+from jax.sharding import AxisType, Mesh
+
+from fleetjax.mesh import build_mesh
+from fleetjax.targets._gpus import Target, get
+
+# The plugins' Python packages: jax registers the first one it finds as platform "cuda".
+CUDA_PLUGINS = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
+
+
+def devices(target: str | Target, count: int, *, per_host: int = 8) -> list[jax.Device]:
+    """`count` compile-only devices of `target`, `per_host` to a host (process), host by host.
+
+    They lower and compile (`jax.jit(f).lower(...).compile()`) but never run. The same
+    arguments give the same devices. `count` below `per_host` is one host with that many.
+
+    Raises:
+      ValueError: for an unknown target, a count that is not a positive int, or a count that
+        does not fill whole hosts of `per_host` GPUs.
+      RuntimeError: when jax's CUDA plugin is not installed (the `aot` extra) or did not
+        register (the message says why).
+    """
+    target = get(target) if isinstance(target, str) else target
+    for name, value in (("count", count), ("per_host", per_host)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if count > per_host and count % per_host:
+        below, above = count // per_host * per_host, (count // per_host + 1) * per_host
+        raise ValueError(
+            f"{count} {target.name} GPUs do not fill whole hosts of per_host={per_host}: "
+            f"{count} / {per_host} = {count / per_host:g} hosts; use a multiple of {per_host} "
+            f"({below} or {above}), or set per_host to the GPUs each host has"
+        )
+    hosts, per_host = (count // per_host, per_host) if count > per_host else (1, count)
+    return list(_topology(target, hosts, per_host))
+
+
+def mesh(
+    target: str | Target,
+    count: int,
+    *,
+    dp: int = -1,
+    sharding: int = 1,
+    pp: int = 1,
+    mp: int = 1,
+    order: Sequence[str] | None = None,
+    axis_types: AxisType | None = None,
+    per_host: int = 8,
+) -> Mesh:
+    """`fleetjax.build_mesh` over `devices(target, count, per_host=per_host)`.
+
+    With the default axis order (`dp, pp, sharding, mp`) the `mp` neighbours share a host, so
+    tensor parallelism of up to `per_host` stays on NVLink.
+
+    Raises:
+      ValueError, RuntimeError: as `devices` and `build_mesh` do.
+    """
+    return build_mesh(
+        dp,
+        sharding,
+        pp,
+        mp,
+        order=order,
+        devices=devices(target, count, per_host=per_host),
+        axis_types=axis_types,
+    )
+
+
+@functools.cache
+def _topology(target: Target, hosts: int, per_host: int) -> tuple[jax.Device, ...]:
+    try:
+        topology = topologies.get_topology_desc(
+            platform="cuda", topology=f"1x{hosts}x{per_host}", target_config=target.config
+        )
+    except NotImplementedError as e:  # jax has no "cuda" topology: no plugin registered
+        raise RuntimeError(_no_plugin_message()) from e
+    return tuple(topology.devices)
+
+
+def plugin_installed() -> bool:
+    """Whether one of jax's CUDA plugins (`CUDA_PLUGINS`) can be imported."""
+    try:
+        return any(importlib.util.find_spec(name) for name in CUDA_PLUGINS)
+    except ModuleNotFoundError:  # no jax_plugins package at all
+        return False
+
+
+def _no_plugin_message() -> str:
+    if not plugin_installed():
+        return (
+            "compiling for a GPU target needs jax's CUDA plugin, which is not installed: "
+            "pip install 'fleetjax[aot]' (jax-cuda13-plugin and jax-cuda13-pjrt at the installed "
+            f"jax version, {jax.__version__}; no CUDA libraries are needed)"
+        )
+    return (
+        "jax's CUDA plugin is installed but did not register: without a GPU its CUDA-library "
+        "check fails unless JAX leaves CUDA out of its backends. Set JAX_PLATFORMS=cpu before "
+        f"JAX starts (now {jax.config.jax_platforms!r}); JAX then runs on the CPU and compiles "
+        "for the GPU target. The plugin's own error is in JAX's log above."
+    )

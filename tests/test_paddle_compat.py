@@ -83,9 +83,9 @@ class TestBuildStrategy:
             fleetjax.read_plan(s)
         messages = [str(w.message) for w in caught]
         assert (
-            "DistributedStrategy.build_strategy.nccl_comm_num=2 has no effect in fleetjax: Paddle's "
-            "fleet replaces it with DistributedStrategy.nccl_comm_num, the field fleetjax reads; "
-            "set that one" in messages
+            "DistributedStrategy.build_strategy.nccl_comm_num=2 has no effect in fleetjax: "
+            "Paddle's fleet replaces it with DistributedStrategy.nccl_comm_num, the field "
+            "fleetjax reads; set that one" in messages
         )
         assert any("build_strategy.trainer_id" in m and "role maker" in m for m in messages)
 

@@ -20,12 +20,13 @@ from fleetjax import (
     layers,
     mesh,
     optimizers,
+    placement,
     plan,
     targets,
     transforms,
     xla_flags,
 )
-from fleetjax._applied import AppliedStrategy, applied_strategy
+from fleetjax._applied import AppliedStrategy, Setting, applied_strategy
 from fleetjax._config import UnknownFieldError
 from fleetjax._explain import Explanation, explain
 from fleetjax._prototxt import PrototxtError
@@ -70,6 +71,7 @@ __all__ = [
     "Placement",
     "Plan",
     "PrototxtError",
+    "Setting",
     "Strategy",
     "StrategyWarning",
     "TrainState",
@@ -92,6 +94,7 @@ __all__ = [
     "mesh",
     "optimizers",
     "pipeline_schedule",
+    "placement",
     "plan",
     "read_plan",
     "recompute",

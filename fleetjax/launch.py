@@ -657,6 +657,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LaunchError as e:
         _say(f"error: {e}")
         return 2
+    except KeyboardInterrupt:  # waiting for the other nodes at --master
+        _say("got SIGINT before any worker started")
+        return 128 + signal.SIGINT
     _say(
         f"starting workers {workers[0].rank}..{workers[-1].rank} of {world}; "
         f"logs in {log_dir}/workerlog.N"

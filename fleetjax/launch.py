@@ -73,7 +73,7 @@ from typing import NoReturn
 from fleetjax import _guard, _rendezvous
 
 DEFAULT_START_PORT = 6070  # Paddle's
-GRACE_SECONDS = 5.0  # between SIGTERM and SIGKILL when stopping workers
+GRACE_SECONDS = 3.0  # between SIGTERM and SIGKILL when stopping workers (Paddle's)
 LOG_TAIL_LINES = 20  # of a failed worker's log, shown on the console
 HEARTBEAT_EXIT_CODE = 124  # the launcher's, when a worker made no progress (as timeout(1))
 HEARTBEAT_FILE_VARIABLE = "FLEETJAX_HEARTBEAT_FILE"

@@ -42,9 +42,13 @@ _TASK_COUNTS = (
 
 def _detected_cluster() -> type | None:
     """The cluster environment `jax.distributed.initialize()` would join, as JAX picks it."""
-    from jax._src import clusters  # JAX's own detection; no public API names the environment
+    try:  # JAX's own detection; no public API names the environment
+        from jax._src import clusters
 
-    for env in clusters.ClusterEnv._cluster_types:
+        cluster_types = clusters.ClusterEnv._cluster_types
+    except (ImportError, AttributeError):  # a JAX that moved it: schedulers' variables decide
+        return None
+    for env in cluster_types:
         try:
             if not env.opt_in_only_method and env.is_env_present():
                 return env

@@ -91,13 +91,15 @@ README_COMMANDS = {
     TWO_PROCESSES: "test_readme_two_process_command",
     ".venv/bin/fleetjax-run --gpus 0,1,2,3 train.py": "needs 4 GPUs and the user's train.py",
     ".venv/bin/fleetjax-run --ips 10.0.0.1,10.0.0.2 train.py": "needs two machines",
+    ".venv/bin/fleetjax-run --master 10.0.0.1:8090 --nnodes 2 train.py": "needs two machines",
+    "srun python train.py": "needs a SLURM cluster",
 }
 
 
 def _readme_commands() -> list[str]:
     """The commands of the README's fenced bash blocks, without their comments."""
     blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
-    lines = (line.split("  #")[0].strip() for block in blocks for line in block.splitlines())
+    lines = (line.split(" #")[0].strip() for block in blocks for line in block.splitlines())
     return [line for line in lines if line]
 
 

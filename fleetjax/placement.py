@@ -93,6 +93,11 @@ def _tensor_specs(plan: Plan, mesh: Mesh, params: Any, param_specs: Any) -> Any:
             "the strategy asks for a pipeline: the parameters must be the PipelineParams("
             f"embed, layers, head) the pipeline trains, not {type(specs).__name__}"
         )
+    return _by_stage(specs)
+
+
+def _by_stage(specs: PipelineParams) -> PipelineParams:
+    """`specs` with the stacked layers' leading (layer) axis split over `pp`."""
     by_stage = lambda spec: PartitionSpec("pp", *tuple(spec)[1:])  # noqa: E731
     return specs._replace(layers=jax.tree.map(by_stage, specs.layers, is_leaf=_is_spec))
 
@@ -139,11 +144,16 @@ def param_shardings(plan: Plan, mesh: Mesh, params: Any, param_specs: Any = None
     return _shardings(mesh, specs)
 
 
-def model_state_shardings(mesh: Mesh, model_state: Any, state_specs: Any = None) -> Any:
+def model_state_shardings(
+    mesh: Mesh, model_state: Any, state_specs: Any = None, *, pipeline: bool = False
+) -> Any:
     """Where the model state lives: `state_specs`, by default read from logical axis names
     (a local `fleetjax.layers.BatchNorm`'s statistics split over the data axes; plain arrays
-    replicated)."""
+    replicated). Under a `pipeline` the layers' states (a `PipelineParams` model state) are
+    split over `pp` like the layers' parameters: each with its layer's stage."""
     specs = state_specs if state_specs is not None else partition_specs(model_state, mesh=mesh)
+    if pipeline and isinstance(specs, PipelineParams):
+        specs = _by_stage(specs)
     return _shardings(mesh, specs)
 
 
@@ -207,6 +217,8 @@ def place(
         opt_state=opt_at,
         rng=rep,
         loss_scale=None if abstract_state.loss_scale is None else rep,
-        model_state=model_state_shardings(mesh, abstract_state.model_state, state_specs),
+        model_state=model_state_shardings(
+            mesh, abstract_state.model_state, state_specs, pipeline=plan.pipeline is not None
+        ),
     )
     return Placement(state, grads, batch_sharding(mesh))

@@ -178,7 +178,7 @@ class TrainStep:
         `jax.ShapeDtypeStruct`s, e.g. to `lower` the step for devices that are not there."""
         check_model_state(self.signature.has_state, model_state)
         check_params(params)
-        params = stage_order(params, self.plan, self.loss_fn, self.mesh)
+        params, model_state = stage_order(params, model_state, self.plan, self.loss_fn, self.mesh)
         rng = jax.eval_shape(lambda: jax.random.PRNGKey(seed)) if isinstance(seed, int) else seed
         abstract = jax.eval_shape(self._initial_state, params, rng, model_state)
         self._see(abstract)
@@ -189,7 +189,7 @@ class TrainStep:
         (an int, or raw key data) and, with `has_state`, the `model_state` placed."""
         check_model_state(self.signature.has_state, model_state)
         check_params(params)
-        params = stage_order(params, self.plan, self.loss_fn, self.mesh)
+        params, model_state = stage_order(params, model_state, self.plan, self.loss_fn, self.mesh)
         rng = jax.random.PRNGKey(seed) if isinstance(seed, int) else jnp.asarray(seed)
         placement = self._see(jax.eval_shape(self._initial_state, params, rng, model_state))
         # Each device receives only its part (under ZeRO-3, 1/N of each parameter).
@@ -336,15 +336,12 @@ def make_train_step(
             "found = fleetjax.auto.search(loss_fn, optimizer, params, batch, strategy=strategy), "
             "then step = found.make_train_step() (or edit found.strategy first)"
         )
-    if plan.pipeline is not None:
-        if not isinstance(loss_fn, PipelineLayer):
-            raise TypeError(
-                "the strategy asks for a pipeline, which needs the model cut into stages: "
-                "pass fleetjax.PipelineLayer(embed, stage, head_loss) as the loss, with "
-                f"PipelineParams, not {type(loss_fn).__name__}"
-            )
-        if has_state:
-            raise ValueError("the pipeline takes no model state yet")
+    if plan.pipeline is not None and not isinstance(loss_fn, PipelineLayer):
+        raise TypeError(
+            "the strategy asks for a pipeline, which needs the model cut into stages: "
+            "pass fleetjax.PipelineLayer(embed, stage, head_loss) as the loss, with "
+            f"PipelineParams, not {type(loss_fn).__name__}"
+        )
     return TrainStep(
         loss_fn, bound, Signature(has_aux, has_rng, has_state), param_specs, state_specs
     )

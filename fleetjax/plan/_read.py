@@ -328,26 +328,19 @@ def _checked_combinations(plan: Plan) -> Plan:
             "optimizer state, ZeRO splits one copy of it over the sharding axis"
         )
     if plan.pipeline is not None:
-        merge = plan.gradient_merge
-        clash = (
-            "gradient merge in one call (the pipeline's accumulate_steps is that)"
-            if merge is not None and merge.in_step
-            else "dgc/localsgd"
-            if plan.per_replica
-            else "fp16_allreduce"
-            if plan.allreduce_dtype is not None
-            else None
-        )
-        if clash:
-            raise ValueError(f"the pipeline does not combine with {clash}")
+        if plan.per_replica:
+            raise ValueError(
+                "the pipeline does not combine with dgc/localsgd: they step each data-parallel "
+                "replica's optimizer inside their own shard_map, which the pipeline's program "
+                "over pp cannot run in"
+            )
+        plan = _merged_into_pipeline(plan)
     if plan.hierarchical is not None:
         clash = (
             "ZeRO stage 2/3 (it reduce-scatters over the sharding axis)"
             if plan.sharding_stage >= 2
             else "dgc/localsgd (they do their own communication)"
             if plan.per_replica
-            else "the pipeline (it reduces over the data axes itself)"
-            if plan.pipeline is not None
             else None
         )
         if clash:
@@ -367,3 +360,33 @@ def _checked_combinations(plan: Plan) -> Plan:
             ),
         )
     return plan
+
+
+def _merged_into_pipeline(plan: Plan) -> Plan:
+    """Under a pipeline, gradient merge in one call is the pipeline's accumulation, as in
+    Paddle's auto-parallel engine: the batch is cut into `k_steps` micro-batches
+    (`accumulate_steps`), and their gradients are averaged (Paddle sets `avg=True`)."""
+    merge, pipe = plan.in_step_merge, plan.pipeline
+    if merge is None:
+        return plan
+    if pipe.accumulate_steps not in (1, merge.k_steps):
+        raise ValueError(
+            f"under the pipeline, gradient merge in one call is the pipeline's accumulation: "
+            f"gradient_merge k_steps={merge.k_steps} and pipeline accumulate_steps="
+            f"{pipe.accumulate_steps} ask for different numbers of micro-batches; set one of "
+            "them, or both to the same number"
+        )
+    field = "gradient_merge" if plan.strategy == "Strategy" else "gradient_merge_configs"
+    avg = () if merge.avg else (NoEffect(f"{field}.avg=False", _AVERAGED_UNDER_PIPELINE),)
+    return dataclasses.replace(
+        plan,
+        pipeline=dataclasses.replace(pipe, accumulate_steps=merge.k_steps),
+        gradient_merge=dataclasses.replace(merge, avg=True),
+        no_effect=(*plan.no_effect, *avg),
+    )
+
+
+_AVERAGED_UNDER_PIPELINE = (
+    "under the pipeline, gradient merge is the pipeline's accumulation, whose gradient is the "
+    "mean over its micro-batches (Paddle sets avg=True there too)"
+)

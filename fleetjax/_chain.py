@@ -201,12 +201,17 @@ def stage_order(params: Any, model_state: Any, plan: Plan, model: Loss, mesh: Me
     otherwise as they are."""
     if plan.pipeline is None:
         return params, model_state
-    vpp = vpp_degree(plan, model)
+    vpp, stages = vpp_degree(plan, model), mesh.shape["pp"]
+    if model.num_stages is not None and model.num_stages != stages:
+        raise ValueError(
+            f"the PipelineLayer was cut for num_stages={model.num_stages}, but the mesh's pp "
+            f"axis (pp_degree) has {stages}"
+        )
     trees = (params,) if model_state is None else (params, model_state)
     for tree, name in zip(trees, ("params", "model_state"), strict=False):
-        check_pipeline_layers(tree, mesh.shape["pp"], vpp, name)
+        check_pipeline_layers(tree, stages, vpp, name)
     if vpp > 1:
-        order = lambda tree: to_pipeline_order(tree.layers, mesh.shape["pp"], vpp)  # noqa: E731
+        order = lambda tree: to_pipeline_order(tree.layers, stages, vpp)  # noqa: E731
         trees = tuple(tree._replace(layers=order(tree)) for tree in trees)
     return trees if model_state is not None else (*trees, None)
 
@@ -222,6 +227,7 @@ def _pipelined(
     """The pipeline's gradient function; it accumulates its micro-batches (in-step gradient
     merge is that) and reduces over the data axes once, through the plan's reducer where the
     strategy controls the communication (fp16_allreduce, hierarchical all-reduce)."""
+    model.check_flags(signature.has_rng, signature.has_state)
     config = plan.pipeline
     controlled = plan.allreduce_dtype is not None or plan.hierarchical is not None
     reducer = _reducer(plan, mesh, placement) if controlled else None

@@ -20,10 +20,11 @@ reduction over the data axes happens once, after the pipeline's loop (by a `redu
 `fp16_allreduce`'s half-precision all-reduce, if one is given).
 
 The parts, each a module: `_model` (`PipelineParams`, `PipelineLayer`, the parts' keys and the
-layers' order), `schedules` (the schedule tables and `SCHEDULE_MODES`, Paddle's spellings of
-them), `_timetable` (a schedule made executable: the buffer slot of every value kept across
-ticks), `_program` (the `shard_map` and the per-stage program, a tick's forward half and its
-backward half). This module checks the arguments and runs the program, on Auto axes.
+layers' order), `_layers` (Paddle's `LayerDesc` list form of a `PipelineLayer`), `schedules`
+(the schedule tables and `SCHEDULE_MODES`, Paddle's spellings of them), `_timetable` (a
+schedule made executable: the buffer slot of every value kept across ticks), `_program` (the
+`shard_map` and the per-stage program, a tick's forward half and its backward half). This
+module checks the arguments and runs the program, on Auto axes.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
 from fleetjax.transforms.grad_allreduce import Reducer
+from fleetjax.transforms.pipeline._layers import LayerDesc, SharedLayerDesc
 from fleetjax.transforms.pipeline._model import (
     NO_KEY,
     ModelFunctions,
@@ -56,9 +58,11 @@ from fleetjax.transforms.pipeline.schedules import (
 
 __all__ = [
     "SCHEDULE_MODES",
+    "LayerDesc",
     "PipelineLayer",
     "PipelineParams",
     "PipelineSchedule",
+    "SharedLayerDesc",
     "part_keys",
     "pipeline",
     "pipeline_schedule",

@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from fleetjax.transforms.pipeline._layers import from_layer_descs
+
 
 class PipelineParams(NamedTuple):
     """The parameters of a pipelined model (and, from `pipeline`, their gradients).
@@ -28,10 +30,21 @@ class PipelineParams(NamedTuple):
     head: Any
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class PipelineLayer:
     """A model cut for pipeline parallelism (Paddle's `PipelineLayer`): ``embed`` -> ``stage``
     once per layer -> ``head_loss``, on `PipelineParams`.
+
+    Made from the three functions, ``PipelineLayer(embed, stage, head_loss,
+    num_virtual_pipeline_stages=1)``, or as in Paddle from a list of layers,
+    ``PipelineLayer(layers=[LayerDesc(Embed, ...), *[LayerDesc(Block, ...)] * n,
+    LayerDesc(Head, ...)], num_stages=..., loss_fn=...)`` (also ``seg_method``,
+    ``recompute_interval``, ``recompute_ctx``, ``num_virtual_pipeline_stages``): the layers are
+    flax nnx modules, the run of identical `LayerDesc`s becomes the stacked layers, what comes
+    before it `embed` and what comes after it, then ``loss_fn(output, labels)``, `head_loss`;
+    the batch is ``(inputs, labels)``. That form builds the layers: train
+    ``step.init(model.params, model_state=model.model_state)`` (with ``has_state=True`` when the
+    layers keep statistics, i.e. `model_state` is not None).
 
     Called as a loss, ``model(params, batch)``, it runs the whole batch through the model on
     its own, so the same model trains with or without a pipeline: `make_train_step` pipelines
@@ -45,17 +58,63 @@ class PipelineLayer:
     Attributes:
       num_virtual_pipeline_stages: model chunks per pipeline stage, for the "VPP" schedule
         (Paddle's argument of the same name; `Strategy.pipeline.vpp_degree` sets it too).
+      num_stages: the pipeline degree the model was cut for (Paddle's argument; it must be the
+        mesh's pp), or None.
+      params, model_state: the parameters (nnx.Param variables, as `nnx.State`s) and the other
+        variables of the layers a `LayerDesc` list built, in `PipelineParams`; None otherwise
+        (`model_state` also when the layers keep none).
     """
 
     embed: Callable[..., Any]
     stage: Callable[..., Any]
     head_loss: Callable[..., Any]
     num_virtual_pipeline_stages: int = 1
+    num_stages: int | None = None
+    params: PipelineParams | None = dataclasses.field(default=None, repr=False, compare=False)
+    model_state: PipelineParams | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """``PipelineLayer(embed, stage, head_loss, num_virtual_pipeline_stages=1)``, or
+        Paddle's ``PipelineLayer(layers, num_stages=None, topology=None, loss_fn=None,
+        seg_method="uniform", recompute_interval=0, recompute_ctx=None,
+        num_virtual_pipeline_stages=None)`` (see the class).
+
+        Raises:
+          ValueError, TypeError: for Paddle's form, what Paddle refuses and what does not map
+            onto embed, stage and head_loss (see `LayerDesc`).
+        """
+        if "layers" in kwargs or (args and not callable(args[0])):
+            fields = from_layer_descs(*args, **kwargs)
+            for name in ("params", "model_state"):
+                if fields[name] is not None:
+                    fields[name] = PipelineParams(*fields[name])
+        else:
+            fields = _function_form(*args, **kwargs)
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+
+    def check_flags(self, has_rng: bool, has_state: bool) -> None:
+        """For a model built from `LayerDesc`s: the step's flags fit its functions.
+
+        Raises:
+          TypeError: with `has_rng` (its layers keep their own `nnx.Rngs`), or `has_state`
+            other than whether its layers keep model state.
+        """
+        if self.params is None:
+            return
+        keeps = self.model_state is not None
+        if has_rng or has_state != keeps:
+            raise TypeError(
+                f"this PipelineLayer's layers keep {'model state' if keeps else 'no model state'}"
+                f" and take no PRNG key: make the step with has_state={keeps}, has_rng=False"
+                + (", and step.init(model.params, model_state=model.model_state)" if keeps else "")
+            )
 
     def __call__(self, params: PipelineParams, *args: Any) -> Any:
         stateful = bool(args) and isinstance(args[0], PipelineParams)
         state = args[0] if stateful else PipelineParams((), (), ())
         batch, *key = args[1:] if stateful else args
+        self.check_flags(bool(key), stateful)
         model = ModelFunctions.of(
             self.embed,
             self.stage,
@@ -75,6 +134,20 @@ class PipelineLayer:
             return out
         *value, head_state = out
         return (*value, PipelineParams(embed_state, layers_state, head_state))
+
+
+def _function_form(
+    embed: Callable[..., Any],
+    stage: Callable[..., Any],
+    head_loss: Callable[..., Any],
+    num_virtual_pipeline_stages: int = 1,
+    *,
+    num_stages: int | None = None,
+    params: PipelineParams | None = None,
+    model_state: PipelineParams | None = None,
+) -> dict[str, Any]:
+    """`PipelineLayer`'s fields from its functions (and, for `dataclasses.replace`, the rest)."""
+    return dict(locals())
 
 
 NO_KEY = np.zeros(2, np.uint32)  # stands in for the key of a model that takes none

@@ -89,6 +89,19 @@ def test_in_step_merge_of_distributed_strategy_sets_the_micro_batches():
     chex.assert_trees_all_close(state.params, expected.params, rtol=1e-5, atol=1e-6)
 
 
+def test_sharding_merge_is_the_pipelines_accumulation():
+    """Paddle's static sharding optimizer merges the pipeline's micro-batches in place of
+    sharding_configs.gradient_merge_acc_step."""
+    s = pipelined("1F1B", pp=2, accumulate_steps=2, sharding=True)
+    s.sharding_configs = {"gradient_merge_acc_step": 4, "sharding_degree": 2}
+    with pytest.warns(
+        fleetjax.StrategyWarning,
+        match=r"gradient_merge_acc_step=4 has no effect.*pipeline_configs.accumulate_steps",
+    ):
+        plan = fleetjax.read_plan(s)
+    assert plan.gradient_merge is None and plan.pipeline.accumulate_steps == 2
+
+
 def test_gradient_merge_across_calls_steps_every_k_calls():
     """Paddle's GradientMergeOptimizer around the pipeline's gradient (optax.MultiSteps): the
     parameters move on every second call only, by the mean of two calls' gradients."""

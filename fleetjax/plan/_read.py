@@ -100,6 +100,7 @@ def _fleet_plan(s: DistributedStrategy) -> Plan:
         )
     stage, offload = _sharding(s)
     pipe = s.pipeline_configs
+    pipelined = s.pipeline or s.hybrid_configs["pp_degree"] > 1
     recompute = s.recompute_configs
     return Plan(
         strategy="DistributedStrategy",
@@ -115,7 +116,7 @@ def _fleet_plan(s: DistributedStrategy) -> Plan:
         if s.recompute
         else None,
         amp=_fleet_amp(s),
-        gradient_merge=_fleet_merge(s),
+        gradient_merge=_fleet_merge(s, pipelined),
         allreduce_dtype=s.fp16_allreduce_dtype if s.fp16_allreduce else None,
         hierarchical=Hierarchical(
             # Paddle's default: the devices of one machine.
@@ -130,14 +131,14 @@ def _fleet_plan(s: DistributedStrategy) -> Plan:
         pipeline=_pipeline(
             pipe["schedule_mode"], pipe["micro_batch_size"], pipe["accumulate_steps"], 0
         )
-        if s.pipeline or s.hybrid_configs["pp_degree"] > 1
+        if pipelined
         else None,
         iterations_per_run=s.execution_strategy.num_iteration_per_run,
         optimizer=switch,
         sync_batch_norm=s.sync_batch_norm,
         auto=s.auto,
         xla_flags=_knobs.flags_for(s),
-        no_effect=_knobs.no_effect(s),
+        no_effect=(*_knobs.no_effect(s), *_sharding_merge_replaced(s, pipelined)),
     )
 
 
@@ -204,12 +205,13 @@ def _fleet_amp(s: DistributedStrategy) -> Amp | None:
     return Amp(policy, _loss_scaling(c, dtype, "amp_configs"))
 
 
-def _fleet_merge(s: DistributedStrategy) -> GradientMerge | None:
+def _fleet_merge(s: DistributedStrategy, pipelined: bool) -> GradientMerge | None:
     """From `gradient_merge_configs`, or `sharding_configs.gradient_merge_acc_step` under
-    sharding (Paddle's sharding gradient merge, which runs across calls)."""
+    sharding (Paddle's sharding gradient merge, which runs across calls) without a pipeline."""
     config = s.gradient_merge_configs
     merge = (config["k_steps"], config["avg"], config["mode"] == "in_step")
     acc_step = s.sharding_configs["gradient_merge_acc_step"] if s.sharding else 1
+    acc_step = 1 if pipelined else acc_step  # see _sharding_merge_replaced
     if s.gradient_merge and config["k_steps"] > 1:
         if acc_step > 1 and acc_step != config["k_steps"]:
             raise ValueError(
@@ -218,6 +220,19 @@ def _fleet_merge(s: DistributedStrategy) -> GradientMerge | None:
             )
         return GradientMerge(*merge)
     return GradientMerge(acc_step, True, False) if acc_step > 1 else None
+
+
+def _sharding_merge_replaced(s: DistributedStrategy, pipelined: bool) -> tuple[NoEffect, ...]:
+    """Under a pipeline Paddle's sharding optimizer merges the pipeline's micro-batches
+    (`accumulate_steps`) in place of `gradient_merge_acc_step`."""
+    acc_step = s.sharding_configs["gradient_merge_acc_step"]
+    if not (pipelined and s.sharding and acc_step > 1):
+        return ()
+    why = (
+        "under the pipeline, Paddle's sharding merges the pipeline's micro-batches instead "
+        "(pipeline_configs.accumulate_steps)"
+    )
+    return (NoEffect(f"sharding_configs.gradient_merge_acc_step={acc_step}", why),)
 
 
 def _sharding(s: DistributedStrategy) -> tuple[int, bool]:

@@ -199,6 +199,14 @@ class TestWhatDoesNotMap:
         with pytest.raises(ValueError, match="are not all alike"):
             PipelineLayer([LayerDesc(Growing, rngs=nnx.Rngs(0))] * 2, num_stages=2, loss_fn=mse)
 
+    def test_layers_that_keep_random_streams(self):
+        class Dropped(nnx.Module):
+            def __init__(self, *, rngs):
+                self.dropout = nnx.Dropout(0.1, rngs=rngs)
+
+        with pytest.raises(ValueError, match=r"keeps nnx.Rngs streams.*has_rng=True"):
+            PipelineLayer([LayerDesc(Dropped, rngs=nnx.Rngs(0))] * 2, num_stages=2, loss_fn=mse)
+
     def test_shared_weights_across_parts(self):
         rngs = nnx.Rngs(0)
         shared = SharedLayerDesc("embed", EmbeddingPipe, None, "weight", 5, 5, rngs=rngs)

@@ -133,6 +133,7 @@ def from_layer_descs(
     embed, head = (nnx.split(_Part(part), nnx.Param, ...) for part in (built[:start], built[end:]))
     stacked = _stacked(built[start:end], entries[start])
     has_state = any(jax.tree.leaves(state) for state in (embed[2], stacked[2], head[2]))
+    _check_no_rng_streams(built)
     functions = _functions(embed[0], stacked[0], head[0], loss_fn, has_state, recompute_interval)
     return {
         **functions,
@@ -180,6 +181,20 @@ def _check_shared(layers: Sequence[Any]) -> None:
                 "tie weights between the parts of a PipelineLayer (each part keeps its own "
                 "parameters); give each place its own layer"
             )
+
+
+def _check_no_rng_streams(built: list[Any]) -> None:
+    """No layer keeps `nnx.Rngs` streams: they would be model state, which every micro-batch
+    sees alike, so every micro-batch would draw the same numbers (the same dropout mask)."""
+    modules = [layer for layer in built if isinstance(layer, nnx.Module)]
+    if any(jax.tree.leaves(nnx.state(module, nnx.RngState)) for module in modules):
+        raise ValueError(
+            "PipelineLayer(layers=...): a layer keeps nnx.Rngs streams (e.g. nnx.Dropout(..., "
+            "rngs=...)); under a pipeline every micro-batch would draw the same numbers from "
+            "them. Write the model as PipelineLayer(embed, stage, head_loss) with "
+            "make_train_step(..., has_rng=True), where each part of each micro-batch gets its "
+            "own key"
+        )
 
 
 def _entry(layer: Any, index: int) -> Any:

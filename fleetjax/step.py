@@ -317,7 +317,8 @@ def make_train_step(
         `loss_fn(params, model_state, batch[, rng])` and returns `(loss, new_model_state)`, or
         `(loss, aux_dict, new_model_state)` with `has_aux`; `TrainState.model_state` keeps it
         (give the first to `step.init(params, model_state=...)`). Under in-step gradient
-        merge the micro-batches' new float states are averaged.
+        merge and a pipeline (a `PipelineParams` state) micro-batches' new float states are
+        averaged.
       state_specs: `PartitionSpec`s like the model state (default: from its logical axis
         names, e.g. a local `fleetjax.layers.BatchNorm`'s statistics split over the data
         axes; plain arrays replicated).

@@ -44,7 +44,11 @@ _merge_mode = one_of("across_calls", "in_step")
 HYBRID_AXES = ("dp", "pp", "sharding", "sep", "cp", "mp")
 DEFAULT_ORDER = ["dp", "pp", "sharding", "sep", "cp", "mp"]
 
-_PS = "parameter-server mode only; fleetjax trains in collective mode"
+_PS = (
+    "a setting of Paddle's parameter-server runtime (its server processes, trainer dumps, "
+    "file system client, heterogeneous workers); fleetjax's parameter-server step is one SPMD "
+    "program and reads only a_sync, a_sync_configs.k_steps and the sparse table configs"
+)
 _PS_RUNTIME = (
     "a setting of Paddle's parameter-server communicator threads and queues; fleetjax's "
     "parameter-server step is one SPMD program with no communicator"

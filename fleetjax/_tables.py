@@ -65,6 +65,13 @@ class Rows:
     touched: dict[str, TouchedRows]
     tables: Tables | None
 
+    @property
+    def metrics(self) -> dict[str, jax.Array]:
+        """What the step reports of its tables: ``"ids_outside/<table name>"``, how many of
+        the batch's ids were outside the table (they read zero rows and train nothing; under
+        Geo-SGD the replicas' mean)."""
+        return {f"ids_outside/{name}": t.outside for name, t in self.touched.items()}
+
     def apply(
         self,
         optimizer: optax.GradientTransformationExtraArgs,

@@ -166,7 +166,7 @@ class TrainStep:
                 apply, unchanged, grads, state.loss_scale, agree
             )
         new = TrainState(state.step + 1, params, opt_state, state.rng, loss_scale, out.model_state)
-        return new, {"loss": out.loss, **out.aux, **extra}
+        return new, {"loss": out.loss, **out.aux, **extra, **rows.metrics}
 
     # -- the public surface ----------------------------------------------------------------
     def abstract_init(

@@ -13,8 +13,8 @@ the batch's ids and fetched their rows from the devices that own them (`lookup_s
 lookup then reads those rows, and the gradient it leaves is one row per distinct id.
 
 Ids must be in ``[0, num_embeddings)`` (Paddle's tables are hash maps of any 64-bit id; hash
-yours into the range first). An id outside reads a zero row and trains nothing; with
-``check_ids=True`` it raises a `ValueError` from the step instead (a device-to-host check).
+yours into the range first). An id outside reads a zero row and trains nothing, and a train
+step counts such ids in its metrics (``"ids_outside/<table name>"``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ __all__ = [
     "SparseEmbedding",
     "SparseTable",
     "TouchedRows",
-    "check_ids",
     "is_table",
     "lookup",
     "lookup_scope",
@@ -49,15 +48,13 @@ TABLE_ROWS = "table_rows"  # the logical name of a table's row dimension
 class SparseTable(nnx.Param):
     """A sparse embedding table: a parameter that trains by row updates.
 
-    Metadata: ``table_name`` (Paddle's table name, which `sparse_table_configs` are keyed by;
-    None: the train step names it by its path in the parameters) and ``check_ids`` (whether
-    ids outside the table raise). Make one with `sparse_table`.
+    Metadata: ``table_name``, Paddle's table name, which `sparse_table_configs` are keyed by
+    (None: the train step names it by its path in the parameters). Make one with
+    `sparse_table`.
     """
 
 
-def sparse_table(
-    rows: jax.Array, *, table_name: str | None = None, check_ids: bool = False
-) -> SparseTable:
+def sparse_table(rows: jax.Array, *, table_name: str | None = None) -> SparseTable:
     """`rows` ``[num_embeddings, embedding_dim]`` as a `SparseTable`, for a plain pytree of
     parameters (`SparseEmbedding` makes its own)."""
     if jnp.ndim(rows) != 2:
@@ -71,7 +68,6 @@ def sparse_table(
         out_sharding=(TABLE_ROWS, "embed"),
         eager_sharding=False,
         table_name=table_name,
-        check_ids=bool(check_ids),
     )
 
 
@@ -108,7 +104,6 @@ class SparseEmbedding(nnx.Module):
         table_name: str | None = None,
         initial_range: float = 1e-4,
         weight_init: nnx.Initializer | None = None,
-        check_ids: bool = False,
         param_dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ) -> None:
@@ -118,7 +113,7 @@ class SparseEmbedding(nnx.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         init = weight_init if weight_init is not None else _paddle_init(initial_range)
         rows = init(rngs.params(), (num_embeddings, embedding_dim), param_dtype)
-        self.weight = sparse_table(rows, table_name=table_name, check_ids=check_ids)
+        self.weight = sparse_table(rows, table_name=table_name)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         """The rows of `ids` (an integer array): ``ids.shape + (embedding_dim,)``."""
@@ -136,10 +131,13 @@ class TouchedRows:
       ids: the distinct ids the step looks up, sorted, padded with `num_embeddings` (int32,
         static size).
       num_embeddings: the table's row count.
+      outside: how many of the looked-up ids are outside ``[0, num_embeddings)`` (float32,
+        a metric).
     """
 
     ids: jax.Array
     num_embeddings: int
+    outside: jax.Array
 
 
 @dataclasses.dataclass
@@ -173,33 +171,16 @@ def lookup_scope(
         _SCOPE.reset(token)
 
 
-def check_ids(ids: jax.Array, num_embeddings: int, table: str) -> None:
-    """Raise `ValueError` (from the running computation) if an id of `ids` is outside
-    ``[0, num_embeddings)``: a check on device, reported through a host callback."""
-    bad = (ids < 0) | (ids >= num_embeddings)
-    first = jnp.where(jnp.any(bad), ids.ravel()[jnp.argmax(bad.ravel())], 0)
-
-    def report(any_bad: Any, value: Any) -> None:
-        if bool(any_bad):
-            raise ValueError(
-                f"sparse table {table!r}: id {int(value)} is outside [0, {num_embeddings}); "
-                "hash ids into the table's range (Paddle's tables take any 64-bit id)"
-            )
-
-    jax.debug.callback(report, jnp.any(bad), first)
-
-
 def lookup(table: SparseTable, ids: jax.Array) -> jax.Array:
     """The rows of `ids` in `table`: ``ids.shape + (embedding_dim,)``; an id outside the table
-    reads zeros (or raises, with ``check_ids``)."""
+    reads zeros."""
     if not jnp.issubdtype(jnp.result_type(ids), jnp.integer):
         raise TypeError(f"sparse table lookup: ids must be integers, got {jnp.result_type(ids)}")
     if not is_table(table):
         raise TypeError(
             f"sparse table lookup: the table must be a SparseTable, got {type(table).__name__}"
         )
-    meta = table.get_metadata()
-    name, rows = meta.get("table_name"), table[...]
+    name, rows = table.get_metadata().get("table_name"), table[...]
     scope = _SCOPE.get()
     if isinstance(scope, _Recording):
         scope.ids.setdefault(name, []).append(ids)
@@ -209,7 +190,5 @@ def lookup(table: SparseTable, ids: jax.Array) -> jax.Array:
         ids = jnp.where((ids >= 0) & (ids < touched.num_embeddings), ids, touched.num_embeddings)
         at = jnp.searchsorted(touched.ids, ids.astype(touched.ids.dtype))
     else:
-        if meta.get("check_ids"):
-            check_ids(ids, rows.shape[0], name or "<unnamed>")
         at = ids
     return rows.at[at].get(mode="fill", fill_value=0, wrap_negative_indices=False)

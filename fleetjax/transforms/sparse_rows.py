@@ -53,7 +53,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from fleetjax.layers.sparse_embedding import (
     SparseTable,
     TouchedRows,
-    check_ids,
     is_table,
     lookup_scope,
 )
@@ -263,7 +262,7 @@ def touched_rows(
 ) -> dict[str, TouchedRows]:
     """The rows of each of the `named` tables that `probe()` (a loss call on named tables)
     looks up: each table's distinct ids over every lookup, sorted, padded with its row count
-    (under `mesh`, on every device). Checks the ids of tables with ``check_ids``.
+    (under `mesh`, on every device), and how many ids were outside the table.
 
     Raises:
       ValueError: if the probe looks up a table that is not among `named`.
@@ -283,11 +282,10 @@ def touched_rows(
         flat = jnp.concatenate(ids) if ids else jnp.zeros((0,), jnp.int32)
         if mesh is not None:  # every device deduplicates the whole batch's ids
             flat = jax.lax.with_sharding_constraint(flat, NamedSharding(mesh, PartitionSpec()))
-        if table.get_metadata().get("check_ids"):
-            check_ids(flat, size, name)
-        flat = jnp.where((flat >= 0) & (flat < size), flat, size)
+        inside = (flat >= 0) & (flat < size)
+        flat = jnp.where(inside, flat, size)
         distinct = jnp.unique(flat, size=min(flat.size, size), fill_value=size) if ids else flat
-        touched[name] = TouchedRows(distinct, size)
+        touched[name] = TouchedRows(distinct, size, jnp.sum(~inside, dtype=jnp.float32))
     return touched
 
 

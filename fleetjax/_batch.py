@@ -5,10 +5,36 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from fleetjax._warnings import warn_once
 from fleetjax.mesh import data_axes, data_parallel_size
+
+# Distinct batch shapes a step compiles for before it says that each one costs a compile.
+SHAPES_BEFORE_WARNING = 3
+
+
+class BatchShapes:
+    """The batch shapes a step was called with; warns once when there are
+    `SHAPES_BEFORE_WARNING` of them, since each new shape compiles the step again."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[Any, ...]] = set()
+
+    def note(self, batch: Any) -> None:
+        shapes = tuple((x.shape, x.dtype) for x in jax.tree.leaves(batch))
+        if shapes in self.seen:
+            return
+        self.seen.add(shapes)
+        if len(self.seen) == SHAPES_BEFORE_WARNING:
+            listed = sorted(str([list(shape) for shape, _ in s]) for s in self.seen)
+            warn_once(
+                f"the train step compiled for {len(listed)} batch shapes ({', '.join(listed)}): "
+                "each new shape compiles it again; pad batches to one shape (or drop the last "
+                "partial batch)"
+            )
 
 
 def global_shape(x: Any) -> tuple[int, ...]:
@@ -34,9 +60,16 @@ def check_batch(batch: Any, mesh: Mesh, micro_batches: int = 1) -> Any:
         if not isinstance(x, jax.Array | np.ndarray | jax.ShapeDtypeStruct):
             x = np.asarray(x)
         name = "batch" + jax.tree_util.keystr(path)
+        if not (jnp.issubdtype(x.dtype, jnp.number) or jnp.issubdtype(x.dtype, jnp.bool_)):
+            raise TypeError(
+                f"{name} has dtype {x.dtype}; batch leaves must be numeric or boolean arrays "
+                "(encode text as token ids before the step)"
+            )
         if not x.shape:
             raise ValueError(f"{name} is a scalar; every batch leaf needs a batch dimension")
         rows = global_shape(x)[0]
+        if rows == 0:
+            raise ValueError(f"{name} has 0 rows; a step needs at least one example")
         if rows % ways:
             raise ValueError(
                 f"{name} has {rows} rows, which do not split evenly over the "

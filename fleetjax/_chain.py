@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from fleetjax._checks import check_pipeline_layers
 from fleetjax.mesh import data_axes, data_parallel_size, restrict
 from fleetjax.placement import Placement
 from fleetjax.plan import Plan
@@ -138,15 +139,47 @@ def _normalised(
             # Rebuilt here, so that flax Variables in it belong to this trace (nnx refuses
             # to update a Variable made at another trace level).
             model_state = jax.tree.map(lambda x: x, model_state)
-            *out, model_state = loss_fn(params, model_state, batch, *rest)
+            out = _checked_output(loss_fn(params, model_state, batch, *rest), signature)
+            *out, model_state = out
         else:  # loss or (loss, aux)
-            out = loss_fn(params, batch, *rest)
+            out = _checked_output(loss_fn(params, batch, *rest), signature)
             out = out if signature.has_aux else (out,)
         value, aux = out if signature.has_aux else (out[0], {})
         scaled = value if loss_scale is None else loss_scale.scale(value)
         return scaled, Outputs(value, aux, model_state)
 
     return loss
+
+
+def _checked_output(out: Any, signature: Signature) -> Any:
+    """`out` after checking that it is what the flags say the loss returns."""
+    parts = (1 if signature.has_aux else 0) + (1 if signature.has_state else 0)
+    form = [
+        "loss",
+        *(["aux_dict"] if signature.has_aux else []),
+        *(["new_model_state"] if signature.has_state else []),
+    ]
+    flags = f"has_aux={signature.has_aux}, has_state={signature.has_state}"
+    if parts and not (isinstance(out, tuple | list) and len(out) == parts + 1):
+        raise TypeError(
+            f"with {flags} the loss must return ({', '.join(form)}), got {_describe(out)}"
+        )
+    value = out[0] if parts else out
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"the loss must be a floating-point scalar, got {_describe(value)}"
+            + ("" if parts else f" (with {flags} it returns the loss alone)")
+        )
+    return out
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, tuple | list):
+        return f"a {type(x).__name__} of {len(x)}"
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"{x.dtype}{list(x.shape)}"
+    return type(x).__name__
 
 
 def vpp_degree(plan: Plan, model: PipelineLayer) -> int:
@@ -164,9 +197,13 @@ def vpp_degree(plan: Plan, model: PipelineLayer) -> int:
 def stage_order(params: Any, plan: Plan, model: Loss, mesh: Mesh) -> Any:
     """`params` as the pipeline keeps them: under VPP, stage s holds chunks s, s + P, ...
     (`fleetjax.transforms.pipeline.to_model_order` goes back); otherwise as they are."""
-    if plan.pipeline is None or vpp_degree(plan, model) < 2:
+    if plan.pipeline is None:
         return params
-    layers = to_pipeline_order(params.layers, mesh.shape["pp"], vpp_degree(plan, model))
+    vpp = vpp_degree(plan, model)
+    check_pipeline_layers(params, mesh.shape["pp"], vpp)
+    if vpp < 2:
+        return params
+    layers = to_pipeline_order(params.layers, mesh.shape["pp"], vpp)
     return params._replace(layers=layers)
 
 

@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import stat
+import uuid
 from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, text_format
@@ -103,8 +106,13 @@ def _proto_to_dict(msg: ProtoMessage) -> dict[str, Any]:
 
 
 def _merge_into(tree: dict[str, Any], path: list[str], value: Any) -> None:
-    for key in path[:-1]:
+    if not all(path):
+        raise ValueError(f"{'.'.join(path)!r} is not a field name like 'amp_configs.x'")
+    for depth, key in enumerate(path[:-1], start=1):
         tree = tree.setdefault(key, {})
+        if not isinstance(tree, dict):
+            where = ".".join(path[:depth])
+            raise ValueError(f"{where} is a {type(tree).__name__} field, which has no fields")
     tree[path[-1]] = value
 
 
@@ -129,7 +137,10 @@ def parse(text: str, root: MessageSpec, source: str = "<prototxt>") -> dict[str,
             if not sep:
                 raise ValueError("expected 'name = <JSON value>'")
             _merge_into(values, path.strip().split("."), json.loads(value))
-        except (ValueError, AttributeError) as e:
+        except RecursionError:
+            message = "bad fleetjax extension line: the JSON value is nested too deeply"
+            raise PrototxtError(f"{source}:{lineno}: {message}") from None
+        except ValueError as e:
             raise PrototxtError(f"{source}:{lineno}: bad fleetjax extension line: {e}") from None
     return values
 
@@ -190,3 +201,56 @@ def format(root: MessageSpec, values: dict[str, Any]) -> str:
         text += "# Fields Paddle's proto does not have; Paddle skips these comment lines.\n"
         text += "".join(line + "\n" for line in lines)
     return text
+
+
+# -- files -----------------------------------------------------------------------------------
+def read_file(path: str | os.PathLike[str]) -> str:
+    """The text of the prototxt file `path`.
+
+    Raises:
+      PrototxtError: if it is not UTF-8 text (naming the file and the line).
+      OSError: if it cannot be read (naming the file).
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise PrototxtError(
+            f"{os.fspath(path)}:{line}: not a text file (byte 0x{data[e.start]:02x} is not "
+            "UTF-8); a prototxt file is protobuf text format"
+        ) from None
+
+
+def write_file(path: str | os.PathLike[str], text: str) -> None:
+    """Write `text` to `path` atomically: into a new file beside it, renamed over it once
+    complete, so `path` holds the old text or the new, never a part.
+
+    A new file gets the mode `open()` would give it (0o666 less the umask); a replaced file
+    keeps its mode. Nothing is left behind on failure.
+
+    Raises:
+      OSError: the error of writing `path` (naming `path`, never the temporary file).
+    """
+    path = os.fspath(path)
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        mode = None
+    temporary = os.path.join(os.path.dirname(os.path.abspath(path)), f".{uuid.uuid4().hex}.tmp")
+    try:
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except OSError as e:
+        raise type(e)(e.errno, e.strerror, path) from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except OSError as e:
+        os.unlink(temporary)
+        raise type(e)(e.errno, e.strerror, path) from None

@@ -130,10 +130,55 @@ class InferenceModel:
         return self._call(self.params, *inputs)
 
 
+def _read_model(path: str) -> jax.export.Exported:
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        exported = jax.export.deserialize(bytearray(data))
+        exported.mlir_module()  # the StableHLO is otherwise only read at the first call
+        return exported
+    except Exception as e:  # flatbuffers and XLA raise many kinds (struct.error, ...)
+        raise ValueError(
+            f"{path} is not a model written by save_inference_model, or is damaged "
+            f"({type(e).__name__}: {e})"
+        ) from e
+
+
+def _read_params(path: str, exported: jax.export.Exported) -> list[np.ndarray]:
+    """The parameter leaves in `path`, checked against what `exported` takes."""
+    try:
+        with np.load(path) as f:
+            keys = sorted(f.files)
+            params = [f[key] for key in keys]
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # numpy and zipfile raise many kinds (BadZipFile, EOFError, ...)
+        raise ValueError(
+            f"{path} is not a parameter file written by save_inference_model, or is damaged "
+            f"({type(e).__name__}: {e})"
+        ) from e
+    wanted = exported.in_avals[: exported.in_tree.children()[0].children()[0].num_leaves]
+    if len(params) != len(wanted):
+        raise ValueError(
+            f"{path} holds {len(params)} arrays but its model takes {len(wanted)} parameters"
+        )
+    for key, x, aval in zip(keys, params, wanted, strict=True):
+        if x.shape != aval.shape or x.dtype != aval.dtype:
+            raise ValueError(
+                f"{path}: {key} is {x.dtype}{list(x.shape)} but its model takes "
+                f"{aval.dtype}{list(aval.shape)}"
+            )
+    return params
+
+
 def load_inference_model(dirname: str | os.PathLike[str]) -> InferenceModel:
-    """The model that `save_inference_model` wrote to `dirname`, ready to call."""
-    with open(os.path.join(dirname, MODEL_FILE), "rb") as f:
-        exported = jax.export.deserialize(bytearray(f.read()))
-    with np.load(os.path.join(dirname, PARAMS_FILE)) as f:
-        params = [f[key] for key in sorted(f.files)]
+    """The model that `save_inference_model` wrote to `dirname`, ready to call.
+
+    Raises:
+      FileNotFoundError: if a file is missing.
+      ValueError: if a file is damaged, not written by `save_inference_model`, or the
+        parameters do not fit the model (naming the file).
+    """
+    exported = _read_model(os.path.join(dirname, MODEL_FILE))
+    params = _read_params(os.path.join(dirname, PARAMS_FILE), exported)
     return InferenceModel(exported, jax.device_put(params))

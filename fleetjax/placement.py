@@ -22,6 +22,7 @@ runs, so it works for meshes of compile-only devices too):
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -29,8 +30,16 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fleetjax._tables import TablesState, slot_specs
+from fleetjax._warnings import warn_once
 from fleetjax.layers import is_table, partition_specs
-from fleetjax.mesh import batch_sharding, data_axes, replicated, spec_axes, zero_spec
+from fleetjax.mesh import (
+    ZERO_MIN_ELEMENTS,
+    batch_sharding,
+    data_axes,
+    replicated,
+    spec_axes,
+    zero_spec,
+)
 from fleetjax.plan import Plan
 from fleetjax.train_state import TrainState
 from fleetjax.transforms.pipeline import PipelineParams
@@ -104,14 +113,26 @@ def _check_mp_used(mesh: Mesh, specs: Any) -> None:
 
 def _zero_specs(plan: Plan, mesh: Mesh, specs: Any, params: Any) -> Any:
     """`specs` also split over `sharding` where ZeRO's rule finds a dimension (any stage);
-    sparse tables keep theirs (their rows are split over every device already)."""
+    warns once for each large tensor that stays whole on every device. Sparse tables keep
+    theirs (their rows are split over every device already)."""
     if not plan.sharding_stage:
         return specs
 
-    def one(spec: Any, x: Any) -> Any:
-        return spec if is_table(spec) else zero_spec(spec, x.shape, mesh)
+    def split(path: Any, spec: Any, x: Any) -> Any:
+        if is_table(spec):
+            return spec
+        zero, degree = zero_spec(spec, x.shape, mesh), mesh.shape.get("sharding", 1)
+        if zero == spec and degree > 1 and math.prod(x.shape) >= ZERO_MIN_ELEMENTS:
+            warn_once(
+                f"ZeRO stage {plan.sharding_stage}: params{jax.tree_util.keystr(path)} "
+                f"{list(x.shape)} has no dimension that splits over sharding={degree}, so every "
+                "device keeps all of it (and its optimizer state); pad a dimension to a "
+                f"multiple of {degree}"
+            )
+        return zero
 
-    return jax.tree.map(one, specs, params, is_leaf=lambda s: _is_spec(s) or is_table(s))
+    is_leaf = lambda s: _is_spec(s) or is_table(s)  # noqa: E731
+    return jax.tree_util.tree_map_with_path(split, specs, params, is_leaf=is_leaf)
 
 
 def param_shardings(plan: Plan, mesh: Mesh, params: Any, param_specs: Any = None) -> Any:

@@ -5,10 +5,9 @@
     loss + Plan + Placement --grad_chain--> gradient function
     gradients + optimizer + loss scale --update--> TrainStep (init, __call__, run, lower)
 
-The step is one `jax.jit` over the global batch, split over the data axes (`dp` x `sharding`).
-Parameters, gradients and optimizer state live where the `Placement` says; XLA inserts the
-collectives, except where the gradient chain's reducer or a per-replica optimizer (DGC,
-LocalSGD, `transforms.per_replica`) sends them itself.
+One `jax.jit` over the global batch, split over the data axes; the state lives where the
+`Placement` says, and XLA inserts the collectives except where the chain's reducer or a
+per-replica optimizer (`transforms.per_replica`) sends them itself. See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -21,8 +20,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from fleetjax._batch import abstract_batch, check_batch, place_batch
+from fleetjax._batch import BatchShapes, abstract_batch, check_batch, place_batch
 from fleetjax._chain import Loss, Signature, grad_chain, stage_order
+from fleetjax._checks import check_model_state, check_params, check_state
 from fleetjax._tables import init_state, step_rows
 from fleetjax.distributed_optimizer import bind
 from fleetjax.mesh import (
@@ -41,16 +41,15 @@ from fleetjax.transforms.loss_scale import DynamicLossScale, apply_if_finite
 from fleetjax.transforms.per_replica import per_replica
 from fleetjax.transforms.pipeline import PipelineLayer
 
-__all__ = ["TrainState", "TrainStep", "make_train_step"]
+__all__ = ["TrainStep", "make_train_step"]
 
 
 class TrainStep:
     """A compiled training step; make one with `make_train_step`.
 
-    `step.init(params)` places parameters and builds the optimizer state; `step(state, batch)`
-    returns `(new_state, metrics)` and donates `state`; `step.lower(state, batch)` gives the
-    lowered computation (`.compile().as_text()`, `.compile().memory_analysis()`) from
-    `jax.ShapeDtypeStruct`s alone, so it works for compile-only devices too.
+    `init(params)` places the parameters and builds the state; `step(state, batch)` returns
+    `(new_state, metrics)` and donates `state`; `lower(state, batch)` works from
+    `jax.ShapeDtypeStruct`s alone (compile-only devices too).
 
     Attributes:
       loss_fn, optimizer, strategy, plan, mesh: what the step was made from (`optimizer` is
@@ -78,6 +77,8 @@ class TrainStep:
         self.abstract_state: TrainState | None = None
         self._placement: Placement | None = None
         self._compiled: dict[int | None, Any] = {}  # by steps per call (None: __call__)
+        self._issued: TrainState | None = None  # the last state handed out: checked already
+        self._shapes = BatchShapes()  # the batch shapes compiled for
         # XLA:CPU runs simulated devices' collectives on one thread pool: a queued step can take
         # it while an all-reduce of the last one waits, and XLA aborts after 40 s (jaxlib
         # 0.10.2, 8 devices on 2 cores). So on CPU one step runs at a time.
@@ -160,10 +161,10 @@ class TrainStep:
 
         if state.loss_scale is None:
             (params, opt_state), loss_scale, extra = apply(grads), None, {}
-        else:
-            unchanged = (state.params, opt_state)
+        else:  # a non-finite gradient leaves parameters and optimizer state unchanged
+            kept, scale = (state.params, opt_state), state.loss_scale
             (params, opt_state), loss_scale, extra = apply_if_finite(
-                apply, unchanged, grads, state.loss_scale, agree
+                apply, kept, grads, scale, agree
             )
         new = TrainState(state.step + 1, params, opt_state, state.rng, loss_scale, out.model_state)
         return new, {"loss": out.loss, **out.aux, **extra, **rows.metrics}
@@ -175,7 +176,8 @@ class TrainStep:
         """The shapes and dtypes of `init(params, seed, model_state)`'s state
         (`jax.ShapeDtypeStruct`s; nothing is computed or placed). `params` may be arrays or
         `jax.ShapeDtypeStruct`s, e.g. to `lower` the step for devices that are not there."""
-        self._check_model_state(model_state)
+        check_model_state(self.signature.has_state, model_state)
+        check_params(params)
         params = stage_order(params, self.plan, self.loss_fn, self.mesh)
         rng = jax.eval_shape(lambda: jax.random.PRNGKey(seed)) if isinstance(seed, int) else seed
         abstract = jax.eval_shape(self._initial_state, params, rng, model_state)
@@ -183,10 +185,10 @@ class TrainStep:
         return self.abstract_state
 
     def init(self, params: Any, seed: int | jax.Array = 0, model_state: Any = None) -> TrainState:
-        """The initial state: `params` placed over the mesh, a fresh optimizer state, the step
-        key from `seed` (an int, or raw key data), and, with `has_state`, the `model_state`
-        (batch-norm statistics and the like) placed by `state_specs`."""
-        self._check_model_state(model_state)
+        """The initial state: `params` placed, a fresh optimizer state, the step key from `seed`
+        (an int, or raw key data) and, with `has_state`, the `model_state` placed."""
+        check_model_state(self.signature.has_state, model_state)
+        check_params(params)
         params = stage_order(params, self.plan, self.loss_fn, self.mesh)
         rng = jax.random.PRNGKey(seed) if isinstance(seed, int) else jnp.asarray(seed)
         placement = self._see(jax.eval_shape(self._initial_state, params, rng, model_state))
@@ -197,17 +199,8 @@ class TrainStep:
             (params_in, replicated(self.mesh), placement.model_state),
         )
         with jax.set_mesh(self.mesh):
-            return jax.jit(self._initial_state, out_shardings=placement.state)(*placed)
-
-    def _check_model_state(self, model_state: Any) -> None:
-        if self.signature.has_state != (model_state is not None):
-            raise ValueError(
-                "make_train_step(..., has_state=True) needs the model state: "
-                "step.init(params, model_state=...)"
-                if self.signature.has_state
-                else "a model_state was given, but the step was made without has_state=True, "
-                "so the loss would never see it"
-            )
+            self._issued = jax.jit(self._initial_state, out_shardings=placement.state)(*placed)
+        return self._issued
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         """One step on the global `batch` (host data is placed here; see `shard_batch`).
@@ -216,9 +209,19 @@ class TrainStep:
         scaling `"loss_scale"` and `"skipped"` (whether a non-finite gradient skipped it).
         On accelerators the call returns at once (JAX's asynchronous dispatch); on simulated
         CPU devices it returns when the step is done."""
+        batch = self.shard_batch(batch)
+        self._shapes.note(batch)
+        return self._called(state, batch)
+
+    def _called(self, state: TrainState, batch: Any, steps: int | None = None) -> tuple:
+        """The compiled step on `state` and `batch`, after checking a state it did not issue."""
+        if state is not self._issued and self.abstract_state is not None:
+            check_state(state, self.abstract_state, self.placement.state)
+        compiled = self.compiled(state, steps)
         # Layers constrain activations by logical name against the ambient mesh.
         with jax.set_mesh(self.mesh):
-            out = self.compiled(state)(state, self.shard_batch(batch))
+            out = compiled(state, batch)
+        self._issued = out[0]
         return jax.block_until_ready(out) if self._one_at_a_time else out
 
     def run(self, state: TrainState, batches: Sequence[Any]) -> tuple[TrainState, dict[str, Any]]:
@@ -234,24 +237,21 @@ class TrainStep:
             )
         if not batches:
             raise ValueError("run() got no batches")
-        with jax.set_mesh(self.mesh):
-            out = self.compiled(state, len(batches))(state, self.shard_batch(batches))
-        return jax.block_until_ready(out) if self._one_at_a_time else out
+        return self._called(state, self.shard_batch(batches), len(batches))
 
     def compiled(self, state: Any, steps: int | None = None) -> Any:
         """The jitted step for states like `state` (`steps` given: a scan of that many steps
         over a list of batches, as `run` takes them)."""
         if steps in self._compiled:  # the fast path of every call
             return self._compiled[steps]
-        placement = self._see(state)
-        fn, batch = self._step, placement.batch
+        fn, batch, placement = self._step, self._see(state).batch, self.placement
         if steps is not None:
 
             def fn(state: TrainState, batches: list[Any]) -> tuple[TrainState, Any]:
                 stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *batches)
                 return jax.lax.scan(self._step, state, stacked)
 
-            batch = [placement.batch] * steps
+            batch = [batch] * steps
         self._compiled[steps] = jax.jit(
             fn,
             in_shardings=(placement.state, batch),

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import enum
 import os
-import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -155,16 +154,17 @@ hybrid_configs={'dp_degree': 2, 'mp_degree': 4})
         return target
 
     def save_to_prototxt(self, output: str | os.PathLike) -> None:
-        """Write the strategy to `output` in Paddle's prototxt format (atomically).
+        """Write the strategy to `output` in Paddle's prototxt format (atomically: `output`
+        holds the old text or the new, never a part; a replaced file keeps its mode).
 
         Records the fields that were set, plus the fields whose fleetjax default (the seeds')
         differs from Paddle's, so that Paddle reads the same strategy.
+
+        Raises:
+          OSError: if `output` cannot be written (naming `output`).
         """
         text = _prototxt.format(self.SPEC, _with_seed_defaults(self.SPEC, self.set_values()))
-        directory = os.path.dirname(os.path.abspath(output))
-        with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp") as f:
-            f.write(text)
-        os.replace(f.name, output)
+        _prototxt.write_file(output, text)
 
     def load_from_prototxt(self, pb_file: str | os.PathLike) -> DistributedStrategy:
         """Set the fields that the prototxt file `pb_file` records; returns self.
@@ -173,10 +173,11 @@ hybrid_configs={'dp_degree': 2, 'mp_degree': 4})
         file replace the current lists (Paddle appends, so loading twice doubled them).
 
         Raises:
-          PrototxtError: naming the file and, for an unknown field or a malformed value, the line.
+          PrototxtError: naming the file and, for an unknown field, a malformed value or bytes
+            that are not UTF-8 text, the line.
+          OSError: if the file cannot be read.
         """
-        with open(pb_file) as f:
-            text = f.read()
+        text = _prototxt.read_file(pb_file)
         values = _prototxt.parse(text, self.SPEC, source=os.fspath(pb_file))
         try:
             self.update(values)

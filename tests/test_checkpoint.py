@@ -179,7 +179,7 @@ def test_errors(tmp_path):
 # -- crashes ---------------------------------------------------------------------------------
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint(tmp_path):
     worker = subprocess.run(
-        [sys.executable, str(HERE / "checkpoint_worker.py"), str(tmp_path)],
+        [sys.executable, str(HERE / "checkpoint_worker.py"), "die-saving", str(tmp_path)],
         env=ENV,
         capture_output=True,
         text=True,

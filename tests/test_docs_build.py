@@ -39,6 +39,7 @@ PUBLIC_MODULES = (
     "fleetjax.transforms.grad_allreduce",
     "fleetjax.transforms.per_replica",
     "fleetjax.transforms.pipeline",
+    "fleetjax.transforms.pipeline.schedules",
     "fleetjax.layers",
     "fleetjax.xla_flags",
     "fleetjax.auto",

@@ -130,3 +130,17 @@ def test_strategy_mesh_with_wrong_device_count():
     s.hybrid_configs = {"dp_degree": 4, "mp_degree": 4}
     with pytest.raises(ValueError, match="= 16, but there are 8 devices"):
         mesh_for(read_plan(s))
+
+
+def test_a_repeated_or_no_device_is_refused():
+    devices = jax.devices()
+    with pytest.raises(ValueError, match=r"devices lists .* twice \(at 0 and 1\)"):
+        build_mesh(devices=[devices[0], devices[0]])
+    with pytest.raises(ValueError, match="devices is empty"):
+        build_mesh(devices=[])
+
+
+def test_too_few_cpu_devices_says_how_to_simulate_more():
+    with pytest.raises(ValueError, match=r"there are 2 devices. To simulate 4 CPU devices, set "
+                                         r"JAX_NUM_CPU_DEVICES=4"):  # fmt: skip
+        build_mesh(dp=2, sharding=2, devices=jax.devices()[:2])

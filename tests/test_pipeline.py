@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from fleetjax.mesh import build_mesh
 from fleetjax.transforms.pipeline import (
@@ -171,3 +172,47 @@ def test_bad_model():
     step = pipeline(embed, widening, head_loss, mesh=mesh, micro_batch_size=2, accumulate_steps=4)
     with pytest.raises(ValueError, match="stage must return activations like its input"):
         step(make_params(4), batch)
+
+
+def head_with_metrics(p, x, batch):
+    loss = head_loss(p, x, batch)
+    return loss, {"loss": loss, "first_output": jnp.mean(x @ p["w"], axis=0)[0]}
+
+
+@pytest.mark.parametrize("has_aux", [False, True], ids=["loss", "aux"])
+@pytest.mark.parametrize("axes", [AxisType.Auto, AxisType.Explicit], ids=lambda a: a.name)
+def test_loss_scale_scales_the_gradients_not_the_loss(axes, has_aux):
+    """AMP's loss scaling: the backward runs on the scaled loss, so the gradients come back
+    times the scale; the loss and the metrics do not."""
+    mesh = build_mesh(dp=2, pp=4, axis_types=axes)
+    head = head_with_metrics if has_aux else head_loss
+    step = pipeline(
+        embed, stage, head, mesh=mesh, micro_batch_size=2, accumulate_steps=4, has_aux=has_aux
+    )
+
+    def at(*spec):
+        return NamedSharding(mesh, PartitionSpec(*spec))
+
+    # On Explicit axes the traced types come from the arguments, so they are placed first.
+    params = jax.device_put(make_params(8), PipelineParams(at(), at("pp"), at()))
+    batch = jax.device_put(make_batch(16), at(("dp", "sharding")))
+    scale = jnp.float32(1024.0)  # AMP's loss scales are powers of two
+    with jax.set_mesh(mesh):
+        out, grads = jax.jit(step)(params, batch)
+        scaled_step = jax.jit(lambda params, batch, s: step(params, batch, loss_scale=s))
+        scaled_out, scaled_grads = scaled_step(params, batch, scale)
+    chex.assert_trees_all_close(scaled_out, out, rtol=1e-6)
+    unscaled = jax.tree.map(lambda g: g / 1024, scaled_grads)
+    chex.assert_trees_all_close(unscaled, grads, rtol=1e-5, atol=1e-6)
+    expected_loss, expected_grads = reference(make_params(8), make_batch(16), 2, 4)
+    np.testing.assert_allclose(out[0] if has_aux else out, expected_loss, rtol=1e-6)
+    chex.assert_trees_all_close(grads, expected_grads, rtol=1e-5, atol=1e-6)
+
+
+def test_loss_scale_must_be_a_scalar():
+    mesh = build_mesh(dp=2, pp=4)
+    step = pipeline(embed, stage, head_loss, mesh=mesh, micro_batch_size=2, accumulate_steps=4)
+    with pytest.raises(
+        ValueError, match=r"loss_scale must be a scalar, got an array of shape \(2,\)"
+    ):
+        step(make_params(4), make_batch(16), loss_scale=jnp.ones(2))

@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from fleetjax.transforms._schedules import pipeline_schedule
+from fleetjax.transforms.pipeline.schedules import pipeline_schedule
 
 GRID = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33)]
 
@@ -167,3 +167,27 @@ def test_gantt_chart():
     busy = 8 * (1.0 + 2.0)
     assert right == pytest.approx(busy / (1 - schedule.idle_fraction()))
     matplotlib.pyplot.close(ax.figure)
+
+
+def test_printed_table():
+    assert str(pipeline_schedule("F-then-B", 2, 2)) == (
+        "FThenB: P=2, m=2, idle 33.3%\n"
+        "tick     0      1      2      3      4\n"
+        "stage 0  F0     F1     .      B0     B1\n"
+        "stage 1  .      F0     F1 B0  B1     .\n"
+        "Fi / Bi: forward / backward of micro-batch i"
+    )
+    assert str(pipeline_schedule("VPP", 2, 2, 2)).splitlines()[1:4] == [
+        "tick     0          1          2          3          4          5          6          7"
+        "          8",
+        "stage 0  F0.0       F1.0       F0.1       F1.1       .          B0.1       B1.1       "
+        "B0.0       B1.0",
+        "stage 1  .          F0.0       F1.0       F0.1       F1.1 B0.1  B1.1       B0.0       "
+        "B1.0       .",
+    ]
+
+
+def test_jupyter_shows_the_printed_table():
+    pretty = pytest.importorskip("IPython.lib.pretty")
+    schedule = pipeline_schedule("1F1B", 4, 8)
+    assert pretty.pretty(schedule) == str(schedule)

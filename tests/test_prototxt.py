@@ -4,11 +4,15 @@ The files in tests/data were written by Paddle's own `DistributedStrategy.save_t
 (pip install paddlepaddle==3.3.1 / ==2.6.2; the script is in tests/data/README.md).
 """
 
+import contextlib
 import os
 import pathlib
+import re
+import stat
 import subprocess
 
 import pytest
+from read_only import read_only
 
 import fleetjax
 from fleetjax import DistributedStrategy, ExecutionStrategy
@@ -176,6 +180,26 @@ def test_bad_extension_line(tmp_path):
         DistributedStrategy.from_prototxt(path)
 
 
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"\x89PNG\r\n\x1a\n\x00", ":1: not a text file (byte 0x89 is not UTF-8); a prototxt"),
+        ("amp: true\n# caf\xe9\n".encode("latin-1"), ":2: not a text file (byte 0xe9 is not"),
+        (b"amp: true\n# fleetjax: amp.x = 1\n",
+         ":2: bad fleetjax extension line: amp is a bool field, which has no fields"),
+        (b"# fleetjax: .x = 1\n", ":1: bad fleetjax extension line: '.x' is not a field name"),
+        (b"# fleetjax: hybrid_configs.order = " + b"[" * 100_000 + b"]" * 100_000 + b"\n",
+         ":1: bad fleetjax extension line: the JSON value is nested too deeply"),
+    ],
+    ids=["binary", "latin-1", "extension-of-a-bool", "empty-name", "deep-json"],
+)  # fmt: skip
+def test_unreadable_files_name_the_file_and_line(tmp_path, data, message):
+    path = tmp_path / "strategy.prototxt"
+    path.write_bytes(data)
+    with pytest.raises(fleetjax.PrototxtError, match=f"^{re.escape(f'{path}{message}')}"):
+        DistributedStrategy.from_prototxt(path)
+
+
 def test_failed_load_changes_nothing(tmp_path):
     s = DistributedStrategy()
     s.amp_configs = {"incr_ratio": 3.0}
@@ -191,6 +215,39 @@ def test_save_replaces_atomically(tmp_path):
     DistributedStrategy(amp=True).save_to_prototxt(path)
     assert path.read_text().startswith("amp: true\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.prototxt"]
+
+
+def test_save_keeps_the_mode_of_a_replaced_file_and_gives_a_new_one_opens(tmp_path):
+    umask = os.umask(0o027)
+    try:
+        DistributedStrategy(amp=True).save_to_prototxt(tmp_path / "new.prototxt")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "new.prototxt").stat().st_mode) == 0o640  # 0o666 & ~0o027
+    (tmp_path / "old.prototxt").write_text("amp: false\n")
+    (tmp_path / "old.prototxt").chmod(0o604)
+    DistributedStrategy(amp=True).save_to_prototxt(tmp_path / "old.prototxt")
+    assert stat.S_IMODE((tmp_path / "old.prototxt").stat().st_mode) == 0o604
+    assert (tmp_path / "old.prototxt").read_text().startswith("amp: true\n")
+
+
+@pytest.mark.parametrize("where", ["missing-folder", "read-only-folder", "a-folder"])
+def test_a_failed_save_names_the_target_and_leaves_nothing(tmp_path, where):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / "s.prototxt").write_text("old contents")
+    target, error = {
+        "missing-folder": (folder / "missing" / "s.prototxt", FileNotFoundError),
+        "read-only-folder": (folder / "new.prototxt", PermissionError),
+        "a-folder": (folder, IsADirectoryError),
+    }[where]
+    unwritable = read_only(folder) if where == "read-only-folder" else contextlib.nullcontext()
+    with unwritable, pytest.raises(error) as info:
+        DistributedStrategy(amp=True).save_to_prototxt(target)
+    assert str(info.value).endswith(f": '{target}'")
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["out", "s.prototxt"]
+    assert (folder / "s.prototxt").read_text() == "old contents"
 
 
 PADDLE_PYTHON = os.environ.get("FLEETJAX_PADDLE_PYTHON")

@@ -26,8 +26,9 @@ from jax.sharding import Mesh
 from fleetjax.distributed_optimizer import DistributedOptimizer
 from fleetjax.layers import partition_specs
 from fleetjax.optimizers import get_lr, param_names, set_lr
-from fleetjax.step import TrainState, TrainStep, make_train_step
+from fleetjax.step import TrainStep, make_train_step
 from fleetjax.strategy import DistributedStrategy, Strategy
+from fleetjax.train_state import TrainState
 
 __all__ = ["Trainer"]
 

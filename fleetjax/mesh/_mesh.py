@@ -36,6 +36,35 @@ def _default_devices() -> list[jax.Device]:
     return sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
 
 
+def _checked_devices(devices: Sequence[jax.Device] | None) -> list[jax.Device]:
+    if devices is None:
+        return _default_devices()
+    devices = list(devices)
+    if not devices:
+        raise ValueError("devices is empty; pass at least one device, or None for all of them")
+    seen: dict[tuple[int, int], int] = {}
+    for i, d in enumerate(devices):
+        key = (d.process_index, d.id)
+        if key in seen:
+            raise ValueError(
+                f"devices lists {d} twice (at {seen[key]} and {i}); a mesh holds each device once"
+            )
+        seen[key] = i
+    return devices
+
+
+def _simulation_hint(devices: Sequence[jax.Device], needed: int) -> str:
+    """On CPU, how to simulate more devices (a laptop has one)."""
+    if len(devices) >= needed or devices[0].platform != "cpu":
+        return ""
+    return (
+        f". To simulate {needed} CPU devices, set JAX_NUM_CPU_DEVICES={needed} (or "
+        f"XLA_FLAGS=--xla_force_host_platform_device_count={needed}) before JAX starts, e.g. "
+        f"as the first lines of the script: import os; "
+        f"os.environ['JAX_NUM_CPU_DEVICES'] = '{needed}'"
+    )
+
+
 def build_mesh(
     dp: int = -1,
     sharding: int = 1,
@@ -56,10 +85,11 @@ def build_mesh(
       axis_types: `AxisType.Auto` (default; GSPMD propagates shardings) or `Explicit`.
 
     Raises:
-      ValueError: if a degree is not a positive int (or -1 for dp), or the product of the
-        degrees is not the device count (the message states both).
+      ValueError: if a degree is not a positive int (or -1 for dp), `devices` is empty or
+        repeats a device, or the product of the degrees is not the device count (the message
+        states both, and on CPU how to simulate more devices).
     """
-    devices = list(devices) if devices is not None else _default_devices()
+    devices = _checked_devices(devices)
     degrees = {"dp": dp, "sharding": sharding, "pp": pp, "mp": mp}
     for axis, degree in degrees.items():
         allowed = (-1,) if axis == "dp" else ()
@@ -80,6 +110,7 @@ def build_mesh(
             "dp x sharding x pp x mp = "
             + " x ".join(str(degrees[a]) for a in AXES)
             + f" = {total}, but there are {len(devices)} devices"
+            + _simulation_hint(devices, total)
         )
     names = check_order(order if order is not None else DEFAULT_ORDER)
     grid = np.array(devices, dtype=object).reshape([degrees[a] for a in names])

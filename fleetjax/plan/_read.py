@@ -11,6 +11,8 @@ import dataclasses
 import types
 from typing import Any
 
+import numpy as np
+
 from fleetjax._warnings import warn_once
 from fleetjax.plan import _knobs
 from fleetjax.plan._degrees import set_degrees, strategy_degrees, strategy_order
@@ -33,6 +35,8 @@ from fleetjax.plan._values import (
 from fleetjax.strategy import DistributedStrategy, Strategy
 from fleetjax.transforms import amp
 from fleetjax.transforms.pipeline import SCHEDULE_MODES
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 # Paddle's optimizer switches, each rebuilding or wrapping the user's optimizer.
 OPTIMIZER_SWITCHES = ("lars", "lamb", "dgc", "localsgd", "adaptive_localsgd")
@@ -292,7 +296,7 @@ def _fleet_amp(s: DistributedStrategy) -> Amp | None:
         # Paddle applies use_fp16_guard to pure float16 only.
         use_guard=c["use_fp16_guard"] and c["use_pure_fp16"],
     )
-    return Amp(policy, _loss_scaling(c, dtype))
+    return Amp(policy, _loss_scaling(c, dtype, "amp_configs"))
 
 
 def _fleet_merge(s: DistributedStrategy) -> GradientMerge | None:
@@ -364,7 +368,7 @@ def _auto_parallel_amp(s: Strategy) -> Amp | None:
         use_guard=guard and level == "O2",
         promote=c.use_promote,
     )
-    return Amp(policy, _loss_scaling(c, c.dtype))
+    return Amp(policy, _loss_scaling(c, c.dtype, "Strategy.amp"))
 
 
 # -- shared by both ----------------------------------------------------------------------------
@@ -382,10 +386,17 @@ def _recompute(switch: str, config: Any, where: str, shape: tuple[int, ...] = ()
     return Recompute(checkpoints, policy, bool(config.get("enable_offload", False)), shape)
 
 
-def _loss_scaling(config: Any, dtype: str) -> LossScaling | None:
+def _loss_scaling(config: Any, dtype: str, where: str) -> LossScaling | None:
     # bfloat16 has float32's range, so it needs no loss scaling unless asked for explicitly.
     if dtype == "bfloat16" and not config.is_set("use_dynamic_loss_scaling"):
         return None
+    init = config["init_loss_scaling"]
+    if not 0 < init <= _FLOAT32_MAX:
+        raise ValueError(
+            f"{where}.init_loss_scaling={init!r}: the loss scale must be a positive float32 "
+            f"number (at most {_FLOAT32_MAX:.4g}); with an infinite scale every gradient is "
+            "non-finite and every step would be skipped"
+        )
     return LossScaling(
         init_loss_scaling=config["init_loss_scaling"],
         dynamic=config["use_dynamic_loss_scaling"],

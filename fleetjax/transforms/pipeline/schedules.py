@@ -1,5 +1,9 @@
 """Pipeline schedules as tables: which micro-batch each stage runs forward and backward per tick.
 
+`pipeline_schedule` makes the table of a schedule (Paddle's `pipeline_configs["schedule_mode"]`,
+any spelling in `SCHEDULE_MODES`), which `pipeline` runs; `print` shows it tick by tick and
+`PipelineSchedule.plot` draws it.
+
 The pipeline runs in lockstep ticks (one SPMD program on every stage). In a tick each stage
 runs at most one forward and then at most one backward of one model chunk, after which
 activations move one stage down and cotangents one stage up. A table is made by running, tick
@@ -24,14 +28,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
 
-# Paddle's spellings (static fleet, dygraph and auto-parallel) -> the schedule built here.
-SCHEDULE_MODES = {"FThenB": "FThenB", "F-then-B": "FThenB", "1F1B": "1F1B", "VPP": "VPP"}
+__all__ = ["SCHEDULE_MODES", "PipelineSchedule", "canonical_mode", "pipeline_schedule"]
 
-Op = tuple[int, int]  # (chunk, micro-batch)
+SCHEDULE_MODES: Mapping[str, str] = types.MappingProxyType(
+    {"FThenB": "FThenB", "F-then-B": "FThenB", "1F1B": "1F1B", "VPP": "VPP"}
+)
+"""Paddle's spellings of the schedules built here (static fleet, dygraph and auto-parallel
+`schedule_mode`) -> the schedule's name in `PipelineSchedule.mode`."""
+
+_Op = tuple[int, int]  # (chunk, micro-batch)
 
 
 def canonical_mode(schedule_mode: str) -> str:
@@ -53,7 +64,7 @@ def _check_count(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def check_schedule(mode: str, stages: int, micro_batches: int, virtual_stages: int) -> str:
+def _check_schedule(mode: str, stages: int, micro_batches: int, virtual_stages: int) -> str:
     """The canonical schedule name, after checking Paddle's constraints on the counts.
 
     Raises:
@@ -141,6 +152,45 @@ class PipelineSchedule:
         busy = self.micro_batches * (forward_cost + backward_cost)
         return float(1.0 - busy / (f + b).sum())
 
+    def __str__(self) -> str:
+        """The table as text: a row per stage, a column per tick, and in each cell the forward
+        (``F``) and then the backward (``B``) that the stage runs in the tick, by micro-batch
+        (and, with virtual stages, ``.chunk``); ``.`` where it runs neither."""
+        cells = [[self._cell(t, s) for t in range(self.ticks)] for s in range(self.stages)]
+        width = max(len(cell) for row in cells for cell in row)
+        labels = ["tick", *(f"stage {s}" for s in range(self.stages))]
+        margin = max(map(len, labels))
+        rows = [[str(t) for t in range(self.ticks)], *cells]
+        table = [
+            label.ljust(margin) + "".join(f"  {cell:<{width}}" for cell in row).rstrip()
+            for label, row in zip(labels, rows, strict=True)
+        ]
+        legend = "Fi / Bi: forward / backward of micro-batch i"
+        if self.virtual_stages > 1:
+            legend = "Fi.v / Bi.v: forward / backward of micro-batch i through model chunk v"
+        return "\n".join([self._title(), *table, legend])
+
+    def _cell(self, tick: int, stage: int) -> str:
+        """What `stage` runs in `tick`, as `__str__` writes it."""
+        ops = []
+        for kind, micro, chunk in (
+            ("F", self.forward, self.forward_chunk),
+            ("B", self.backward, self.backward_chunk),
+        ):
+            if micro[tick, stage] >= 0:
+                suffix = f".{chunk[tick, stage]}" if self.virtual_stages > 1 else ""
+                ops.append(f"{kind}{micro[tick, stage]}{suffix}")
+        return " ".join(ops) or "."
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        """IPython and Jupyter show the table as `print` does."""
+        printer.text(str(self))
+
+    def _title(self, forward_cost: float = 1.0, backward_cost: float = 2.0) -> str:
+        idle = self.idle_fraction(forward_cost, backward_cost)
+        chunks = f", V={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return f"{self.mode}: P={self.stages}, m={self.micro_batches}{chunks}, idle {idle:.1%}"
+
     def plot(self, ax: Any = None, forward_cost: float = 1.0, backward_cost: float = 2.0) -> Any:
         """Draw the schedule as a Gantt chart on `ax` (default a new figure); returns the axes.
 
@@ -171,19 +221,15 @@ class PipelineSchedule:
         ax.set_yticks(range(self.stages), [f"stage {s}" for s in range(self.stages)])
         ax.invert_yaxis()
         ax.set_xlabel(f"time (forward of one stage = {forward_cost:g})")
-        idle = self.idle_fraction(forward_cost, backward_cost)
-        chunks = f", V={self.virtual_stages}" if self.virtual_stages > 1 else ""
-        ax.set_title(
-            f"{self.mode}: P={self.stages}, m={self.micro_batches}{chunks}, idle {idle:.1%}"
-        )
+        ax.set_title(self._title(forward_cost, backward_cost))
         return ax
 
 
 class _Orders(NamedTuple):
     """How each stage runs a schedule, for `pipeline_schedule`'s simulation."""
 
-    forwards: list[Op]  # every stage's forwards, in the order it runs them
-    backwards: list[Op]  # and its backwards
+    forwards: list[_Op]  # every stage's forwards, in the order it runs them
+    backwards: list[_Op]  # and its backwards
     limits: list[float]  # per stage, the most micro-batch chunks it may hold in flight
     backwards_wait: bool  # whether a stage's backwards wait for all of its forwards
 
@@ -219,8 +265,8 @@ def _simulate(orders: _Orders, stages: int, virtual_stages: int) -> list[tuple[l
     rows: list[tuple[list, list]] = []
     while min(b_next) < len(backwards):
         t = len(rows)
-        f_row: list[Op | None] = [None] * stages
-        b_row: list[Op | None] = [None] * stages
+        f_row: list[_Op | None] = [None] * stages
+        b_row: list[_Op | None] = [None] * stages
         for s in range(stages):
             if f_next[s] < len(forwards) and f_next[s] - b_next[s] < limits[s]:
                 v, i = forwards[f_next[s]]
@@ -261,7 +307,7 @@ def pipeline_schedule(
     Raises:
       ValueError: for an unknown schedule or counts Paddle does not allow.
     """
-    mode = check_schedule(schedule, stages, micro_batches, virtual_stages)
+    mode = _check_schedule(schedule, stages, micro_batches, virtual_stages)
     orders = _orders(mode, stages, micro_batches, virtual_stages)
     rows = _simulate(orders, stages, virtual_stages)
 

@@ -268,7 +268,8 @@ def slot_specs(opt_state: TablesState, params: Any, specs: Any) -> tuple[dict, d
 
     def note(table: Any, spec: Any) -> None:
         if is_table(table):
-            row_axes[table.get_metadata()["table_name"]] = PartitionSpec(spec.get_value()[0])
+            spec = spec.get_value() if is_table(spec) else spec  # nnx keeps the wrapper
+            row_axes[table.get_metadata()["table_name"]] = PartitionSpec(spec[0])
 
     jax.tree.map(note, params, specs, is_leaf=is_table)
 

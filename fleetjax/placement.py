@@ -119,7 +119,7 @@ def _zero_specs(plan: Plan, mesh: Mesh, specs: Any, params: Any) -> Any:
         return specs
 
     def split(path: Any, spec: Any, x: Any) -> Any:
-        if is_table(spec):
+        if is_table(x):
             return spec
         zero, degree = zero_spec(spec, x.shape, mesh), mesh.shape.get("sharding", 1)
         if zero == spec and degree > 1 and math.prod(x.shape) >= ZERO_MIN_ELEMENTS:
@@ -182,14 +182,17 @@ def _opt_specs(optimizer: optax.GradientTransformation, opt_state: Any, params: 
     the optimizer keeps it, the tables' slots split as their rows."""
     if not isinstance(opt_state, TablesState):
         return _opt_state_specs(optimizer, opt_state, specs)
-    dense = _opt_state_specs(optimizer, opt_state.dense, without_tables(specs))
+    dense = _opt_state_specs(optimizer, opt_state.dense, without_tables(specs, params))
     return TablesState(dense, *slot_specs(opt_state, params, specs))
 
 
-def _rows_whole(specs: Any) -> Any:
+def _rows_whole(specs: Any, params: Any) -> Any:
     """`specs` with a sparse table's gradient (its touched rows) whole on every device."""
-    whole = lambda s: s.replace(PartitionSpec()) if is_table(s) else s  # noqa: E731
-    return jax.tree.map(whole, specs, is_leaf=is_table)
+
+    def whole(spec: Any, x: Any) -> Any:  # shaped as the gradient: a SparseTable of rows
+        return x.replace(PartitionSpec()) if is_table(x) else spec
+
+    return jax.tree.map(whole, specs, params, is_leaf=lambda s: _is_spec(s) or is_table(s))
 
 
 def place(
@@ -223,7 +226,7 @@ def place(
         opt_specs = _opt_specs(optimizer, abstract_state.opt_state, params, zero)
         opt_at = _shardings(mesh, opt_specs, memory)
         params_at = _shardings(mesh, zero if plan.sharding_stage == 3 else specs)
-        grads = _shardings(mesh, _rows_whole(zero if plan.sharding_stage >= 2 else specs))
+        grads = _shardings(mesh, _rows_whole(zero if plan.sharding_stage >= 2 else specs, params))
     state = TrainState(
         step=rep,
         params=params_at,

@@ -174,3 +174,49 @@ class TestFleet:
         fleet.init()
         with pytest.raises(ValueError, match="Fleet can not find suitable runtime handler"):
             getattr(fleet, call)()
+
+
+def test_the_fleets_trainer_trains_an_nnx_models_tables_by_their_rows(ps_fleet):
+    """fleet.distributed_model + fleet.minimize on a model with a SparseEmbedding: the same
+    states as the functional step on the model's parameters."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.emb = fleetjax.layers.SparseEmbedding(64, 4, table_name="emb", rngs=rngs)
+            self.out = nnx.Linear(4, 1, rngs=rngs)
+
+        def __call__(self, ids):
+            return self.out(self.emb(ids).sum(1))[:, 0]
+
+    rng = np.random.RandomState(0)
+    batches = [
+        {"ids": rng.randint(0, 64, (32, 3)).astype(np.int32), "y": rng.randn(32).astype("f4")}
+        for _ in range(3)
+    ]
+    fleet = ps_fleet({})
+    fleet.init(is_collective=False)
+    model = fleet.distributed_model(Model(nnx.Rngs(0)))
+    fleet.distributed_optimizer(fleetjax.optimizers.adam(0.01))
+    losses = [
+        float(fleet.minimize(lambda m, b: jnp.mean((m(b["ids"]) - b["y"]) ** 2), b))
+        for b in batches
+    ]
+
+    graphdef, params = nnx.split(Model(nnx.Rngs(0)))
+
+    def loss(p, b):
+        return jnp.mean((nnx.merge(graphdef, p)(b["ids"]) - b["y"]) ** 2)
+
+    step = fleetjax.make_train_step(loss, fleetjax.optimizers.adam(0.01))
+    state, expected = step.init(params), []
+    for b in batches:
+        state, metrics = step(state, b)
+        expected.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, expected, rtol=1e-6)
+    np.testing.assert_allclose(model.emb.weight[...], state.params["emb"]["weight"][...], rtol=1e-6)
+    assert isinstance(model.emb.weight, fleetjax.layers.SparseTable)
+    assert jax.tree.leaves(fleet.trainer.state.opt_state.slots)  # the tables' rule slots

@@ -206,10 +206,13 @@ _RULE_SECTIONS = {
 
 
 def _geo_k_steps(s: DistributedStrategy) -> int:
-    """Geo-SGD's interval: `a_sync_configs.k_steps` with `a_sync`, else 0 (Paddle's
-    parameter-server modes: a_sync False sync, True with k_steps 0 async, > 0 Geo)."""
+    """Geo-SGD's interval: `a_sync_configs.k_steps` when `a_sync` is set True, else 0.
+
+    Paddle's parameter-server modes are a_sync False sync, True with k_steps 0 async and > 0
+    Geo; a strategy that leaves `a_sync` at its default (True) is a collective one, where
+    Paddle ignores both."""
     k_steps = s.a_sync_configs["k_steps"]
-    return k_steps if s.a_sync and k_steps > 0 else 0
+    return k_steps if s.is_set("a_sync") and s.a_sync and k_steps > 0 else 0
 
 
 def _a_sync_no_effect(s: DistributedStrategy) -> tuple[NoEffect, ...]:
@@ -221,8 +224,8 @@ def _a_sync_no_effect(s: DistributedStrategy) -> tuple[NoEffect, ...]:
             "a_sync=False (a_sync_configs.k_steps > 0 is Geo-SGD)"
         )
         return (NoEffect("a_sync=True", why),)
-    if not s.a_sync and k_steps > 0:
-        why = "k_steps is Geo-SGD's interval, which needs a_sync=True; a_sync=False is sync"
+    if k_steps > 0 and not _geo_k_steps(s):
+        why = "k_steps is Geo-SGD's interval, which needs a_sync set to True"
         return (NoEffect(f"a_sync_configs.k_steps={k_steps}", why),)
     return ()
 

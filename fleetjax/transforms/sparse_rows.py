@@ -245,10 +245,13 @@ def name_tables(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(name, params, is_leaf=is_table)
 
 
-def without_tables(tree: Any) -> Any:
-    """`tree` (parameters, or a tree shaped like them) with None where `params` has tables:
-    the dense part, which the optimizer trains."""
-    return jax.tree.map(lambda x: None if is_table(x) else x, tree, is_leaf=is_table)
+def without_tables(tree: Any, params: Any = None) -> Any:
+    """`tree` (parameters, or a tree shaped like them) with None where `params` (default:
+    `tree`) has tables: the dense part, which the optimizer trains."""
+    if params is None:
+        return jax.tree.map(lambda x: None if is_table(x) else x, tree, is_leaf=is_table)
+    dense = lambda x, p: None if is_table(p) else x  # noqa: E731
+    return jax.tree.map(dense, tree, params, is_leaf=lambda x: is_table(x) or x is None)
 
 
 def tables(params: Any) -> dict[str, SparseTable]:

@@ -1,14 +1,21 @@
 """Parameter-server roles: Paddle's PS environment and role makers, the fleet's role queries and
 its runtime calls (`init_worker`, `init_server`, `run_server`, `stop_worker`)."""
 
+import json
 import logging
+import pathlib
+import re
+import time
 
 import pytest
+from launching import alive, free_port, wait_for
 
 import fleetjax
+from fleetjax import launch
 from fleetjax.fleet.base.role_maker import PaddleCloudRoleMaker, Role, UserDefinedRoleMaker
 
 SERVERS = "127.0.0.1:6001,127.0.0.1:6002"
+PS_WORKER = pathlib.Path(__file__).parent / "ps_worker.py"
 
 
 def ps_env(role, **extra):
@@ -220,3 +227,97 @@ def test_the_fleets_trainer_trains_an_nnx_models_tables_by_their_rows(ps_fleet):
     np.testing.assert_allclose(model.emb.weight[...], state.params["emb"]["weight"][...], rtol=1e-6)
     assert isinstance(model.emb.weight, fleetjax.layers.SparseTable)
     assert jax.tree.leaves(fleet.trainer.state.opt_state.slots)  # the tables' rule slots
+
+
+# -- a parameter-server job through fleetjax-run ------------------------------------------------
+
+
+def _job(launcher, mode):
+    return launcher(
+        "--server_num", "1", "--trainer_num", "2", "--cpu_devices_per_proc", "2",
+        "--start_port", str(free_port()), str(PS_WORKER), mode,
+    )  # fmt: skip
+
+
+def _answers(log):
+    return next(json.loads(line) for line in log.read_text().splitlines() if line[:1] == "{")
+
+
+def _pids(log_dir):
+    return [
+        int(p) for log in log_dir.glob("*log.*") for p in re.findall(r"pid=(\d+)", log.read_text())
+    ]
+
+
+def test_a_parameter_server_job_through_the_launcher(launcher, tmp_path):
+    """One server and two trainers with Paddle's PS variables: each answers its role as
+    Paddle's do, the server ends after init_server() and run_server(), the trainers join."""
+    proc = _job(launcher, "roles")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "starting workers 0..1 of 2 and 1 parameter server(s)" in err
+    logs = tmp_path / "log"
+    server = _answers(logs / "serverlog.0")
+    assert server == {
+        "is_server": True, "is_worker": False, "server_num": 1, "server_index": 0,
+        "worker_num": 2, "worker_index": 0, "server_endpoints": [server["server_endpoints"][0]],
+    }  # fmt: skip
+    assert "this server has nothing to serve and ends" in (logs / "serverlog.0").read_text()
+    for rank in (0, 1):
+        trainer = _answers(logs / f"workerlog.{rank}")
+        assert (trainer["is_worker"], trainer["worker_index"], trainer["worker_num"]) == (
+            True, rank, 2,
+        )  # fmt: skip
+        assert f"ready: trainer {rank} of 2" in (logs / f"workerlog.{rank}").read_text()
+    assert len(_pids(logs)) == 3 and not any(alive(pid) for pid in _pids(logs))
+
+
+def test_a_raising_trainer_stops_the_job(launcher, tmp_path):
+    proc = _job(launcher, "raise")
+    _, err = proc.communicate(timeout=120)
+    ended = time.time()
+    raised = float(re.search(r"raising at ([\d.]+)", err)[1])
+    assert ended - raised < 10
+    assert proc.returncode == 1
+    assert "fleetjax-run: worker 1 exited with code 1; stopping all workers" in err
+    assert "RuntimeError: trainer 1 fails on purpose" in err
+    pids = _pids(tmp_path / "log")
+    wait_for(lambda: not any(alive(pid) for pid in pids), 15, f"the end of {pids}")
+
+
+def test_the_launchers_parameter_server_plan():
+    args = launch.parse_args(
+        ["--server_num", "2", "--trainer_num", "2", "--start_port", "6100", "train.py"]
+    )
+    planned = launch.plan_workers(args, {"JAX_PLATFORMS": "cpu"})
+    assert [(w.role, w.rank, w.log_name) for w in planned] == [
+        ("worker", 0, "workerlog.0"), ("worker", 1, "workerlog.1"),
+        ("server", 0, "serverlog.0"), ("server", 1, "serverlog.1"),
+    ]  # fmt: skip
+    trainer, server = planned[1].env, planned[3].env
+    assert trainer["PADDLE_PSERVERS_IP_PORT_LIST"] == "127.0.0.1:6100,127.0.0.1:6101"
+    assert (trainer["TRAINING_ROLE"], trainer["PADDLE_TRAINER_ID"], trainer["PADDLE_PORT"]) == (
+        "TRAINER", "1", "6103",
+    )  # fmt: skip
+    assert trainer["JAX_COORDINATOR_ADDRESS"] == trainer["PADDLE_TRAINER_ENDPOINTS"].split(",")[0]
+    assert (server["TRAINING_ROLE"], server["POD_IP"], server["PADDLE_PORT"]) == (
+        "PSERVER", "127.0.0.1", "6101",
+    )  # fmt: skip
+    assert server["JAX_PLATFORMS"] == "cpu" and "PADDLE_TRAINER_ID" not in server
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--server_num", "1"], "needs --trainer_num"),
+        (["--server_num", "1", "--trainer_num", "1", "--ips", "10.0.0.1"], "--ips is for"),
+        (["--servers", "127.0.0.1:7000", "--server_num", "2", "--trainer_num", "1"],
+         "--server_num 2 but --servers lists 1"),
+        (["--servers", "127.0.0.1", "--trainer_num", "1"], "is not an endpoint of the form"),
+        (["--servers", "10.9.9.9:7000", "--workers", "10.9.9.9:7001"], "none of --servers"),
+    ],
+)  # fmt: skip
+def test_the_launchers_parameter_server_errors(argv, message):
+    args = launch.parse_args([*argv, "train.py"])
+    with pytest.raises(launch.LaunchError, match=message):
+        launch.plan_workers(args, {"JAX_PLATFORMS": "cpu"})

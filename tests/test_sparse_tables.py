@@ -517,3 +517,36 @@ class TestTableConfigs:
                 fleetjax.plan.read_plan(fleetjax.DistributedStrategy(a_sync=False)).optimizer
                 is None
             )
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"fp16_allreduce": True},
+        {"use_hierarchical_allreduce": True, "hierarchical_allreduce_inter_nranks": 4},
+        {"hybrid_configs": {"dp_degree": 4, "mp_degree": 2}},
+    ],
+    ids=["fp16-allreduce", "hierarchical", "mp2"],
+)
+def test_more_switches_with_a_sparse_table(fields):
+    """Each switch on the dense part trains the table as the plain step does."""
+    _, plain, plain_losses = train(strategy(), BATCHES[:2])
+    _, state, losses = train(strategy(**fields), BATCHES[:2])
+    np.testing.assert_allclose(losses, plain_losses, rtol=2e-3)
+    np.testing.assert_allclose(state.params["emb"][...], plain.params["emb"][...], rtol=2e-3)
+
+
+def test_recompute_with_a_sparse_table():
+    def marked_loss(params, b):
+        rows = lookup(params["emb"], b["ids"]).sum(1)
+        hidden = fleetjax.recompute(lambda w, h: jnp.tanh(h @ w))(params["w1"], rows)
+        return jnp.mean((hidden @ params["w2"] - b["y"]) ** 2)
+
+    recompute = {"recompute": True, "recompute_configs": {"policy": "nothing_saveable"}}
+    results = []
+    for fields in ({}, recompute):
+        step = fleetjax.make_train_step(marked_loss, optax.sgd(LR), strategy(**fields))
+        state, _ = step(step.init(mlp_params()), BATCHES[0])
+        results.append(state.params)
+    np.testing.assert_allclose(results[1]["emb"][...], results[0]["emb"][...], rtol=1e-6)
+    np.testing.assert_allclose(results[1]["w1"], results[0]["w1"], rtol=1e-6)

@@ -17,6 +17,7 @@ from fleetjax._warnings import warn_once
 from fleetjax.plan import _knobs
 from fleetjax.plan._degrees import set_degrees, strategy_degrees, strategy_order
 from fleetjax.plan._values import (
+    DEFAULT_SPARSE_RULE,
     PER_REPLICA_SWITCHES,
     Amp,
     GradientMerge,
@@ -24,9 +25,12 @@ from fleetjax.plan._values import (
     LossScaling,
     NoEffect,
     OptimizerSwitch,
+    ParameterServer,
     Pipeline,
     Plan,
     Recompute,
+    SparseRuleConfig,
+    SparseTableConfig,
 )
 from fleetjax.strategy import DistributedStrategy, Strategy
 from fleetjax.transforms import amp
@@ -135,10 +139,15 @@ def _fleet_plan(s: DistributedStrategy) -> Plan:
         else None,
         iterations_per_run=s.execution_strategy.num_iteration_per_run,
         optimizer=switch,
+        parameter_server=_parameter_server(s),
         sync_batch_norm=s.sync_batch_norm,
         auto=s.auto,
         xla_flags=_knobs.flags_for(s),
-        no_effect=(*_knobs.no_effect(s), *_sharding_merge_replaced(s, pipelined)),
+        no_effect=(
+            *_knobs.no_effect(s),
+            *_a_sync_no_effect(s),
+            *_sharding_merge_replaced(s, pipelined),
+        ),
     )
 
 
@@ -175,10 +184,103 @@ def _optimizer_switch(s: DistributedStrategy) -> OptimizerSwitch | None:
             f"strategy turns on {' and '.join(on)}; Paddle applies at most one of "
             f"{', '.join(OPTIMIZER_SWITCHES)} (it drops the others); turn all but one off"
         )
+    geo = _geo_k_steps(s)
+    if geo and on:
+        raise ValueError(
+            f"a_sync with a_sync_configs.k_steps={geo} (Geo-SGD) and {on[0]} cannot be "
+            "combined: both make each replica step its own optimizer; turn one off"
+        )
+    if geo:
+        return OptimizerSwitch("geo", types.MappingProxyType({"k_steps": geo}))
     if not on:
         return None
     configs = getattr(s, f"{on[0]}_configs")
     return OptimizerSwitch(on[0], types.MappingProxyType(dict(configs.to_dict())))
+
+
+# -- parameter server ----------------------------------------------------------------------------
+
+# The section of `SGDParameter` each rule reads.
+_RULE_SECTIONS = {
+    "SparseNaiveSGDRule": "naive",
+    "SparseAdaGradSGDRule": "adagrad",
+    "StdAdaGradSGDRule": "adagrad",
+    "SparseAdamSGDRule": "adam",
+    "SparseSharedAdamSGDRule": "adam",
+}
+
+
+def _geo_k_steps(s: DistributedStrategy) -> int:
+    """Geo-SGD's interval: `a_sync_configs.k_steps` when `a_sync` is set True, else 0.
+
+    Paddle's parameter-server modes are a_sync False sync, True with k_steps 0 async and > 0
+    Geo; a strategy that leaves `a_sync` at its default (True) is a collective one, where
+    Paddle ignores both."""
+    k_steps = s.a_sync_configs["k_steps"]
+    return k_steps if s.is_set("a_sync") and s.a_sync and k_steps > 0 else 0
+
+
+def _a_sync_no_effect(s: DistributedStrategy) -> tuple[NoEffect, ...]:
+    k_steps = s.a_sync_configs["k_steps"]
+    if s.is_set("a_sync") and s.a_sync and k_steps <= 0:
+        why = (
+            "asynchronous parameter-server training (each trainer pushing stale gradients "
+            "without waiting) has no SPMD counterpart: every step runs synchronously, as with "
+            "a_sync=False (a_sync_configs.k_steps > 0 is Geo-SGD)"
+        )
+        return (NoEffect("a_sync=True", why),)
+    if k_steps > 0 and not _geo_k_steps(s):
+        why = "k_steps is Geo-SGD's interval, which needs a_sync set to True"
+        return (NoEffect(f"a_sync_configs.k_steps={k_steps}", why),)
+    return ()
+
+
+def _parameter_server(s: DistributedStrategy) -> ParameterServer:
+    tables = tuple(_table_config(t) for t in s.sparse_table_configs)
+    names = [t.table_name for t in tables]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated or "" in names:
+        raise ValueError(
+            "sparse_table_configs: each table needs its own table_name, got "
+            f"{'repeated ' + str(repeated) if repeated else 'an empty one'}"
+        )
+    return ParameterServer(_geo_k_steps(s), tables)
+
+
+def _table_config(table: Any) -> SparseTableConfig:
+    accessor, where = table.accessor, f"sparse_table_configs[{table.table_name!r}].accessor"
+    if accessor.accessor_class not in ("", "SparseAccessor"):
+        raise NotImplementedError(
+            f"{where}.accessor_class={accessor.accessor_class!r}: Paddle's CTR accessors add "
+            "show/click columns to a table's rows, which fleetjax does not model; use "
+            "'SparseAccessor' (or leave it unset)"
+        )
+    return SparseTableConfig(
+        table_name=table.table_name,
+        accessor_class=accessor.accessor_class,
+        fea_dim=accessor.fea_dim if accessor.is_set("fea_dim") else None,
+        embedx_dim=accessor.embedx_dim if accessor.is_set("embedx_dim") else None,
+        embed=_rule_config(accessor.embed_sgd_param, f"{where}.embed_sgd_param"),
+        embedx=_rule_config(accessor.embedx_sgd_param, f"{where}.embedx_sgd_param"),
+    )
+
+
+def _rule_config(sgd: Any, where: str) -> SparseRuleConfig:
+    # Unset: Paddle's default accessor rule, with the bounds Paddle's runtime adds.
+    name = sgd.name or DEFAULT_SPARSE_RULE.name
+    if name not in _RULE_SECTIONS:
+        raise NotImplementedError(
+            f"{where}.name={name!r} is not available in fleetjax; use one of "
+            f"{', '.join(_RULE_SECTIONS)}"
+        )
+    section = _RULE_SECTIONS[name]
+    params = sgd[section].to_dict()
+    params.pop("initial_range")  # the table starts as its layer initialised it
+    bounds = params.pop("weight_bounds") or DEFAULT_SPARSE_RULE.params["weight_bounds"]
+    if len(bounds) < 2:
+        raise ValueError(f"{where}.{section}.weight_bounds needs [low, high], got {bounds}")
+    params["weight_bounds"] = (float(bounds[0]), float(bounds[1]))
+    return SparseRuleConfig(name, types.MappingProxyType(params))
 
 
 def _fleet_amp(s: DistributedStrategy) -> Amp | None:

@@ -21,4 +21,6 @@ strategy.fp16_allreduce = True  # by default this is false
 # Two pipeline stages, 4 data-parallel replicas (seed 001's hybrid degrees, for 8 devices).
 strategy.hybrid_configs = {"dp_degree": 4, "pp_degree": 2}
 fleet.init(is_collective=True, strategy=strategy)
-train_pipeline(fleet.distributed_optimizer(optimizers.Adam(learning_rate=0.01)), batch_size=48)
+optimizer = fleet.distributed_optimizer(optimizers.Adam(learning_rate=0.01))
+print(fleet.applied_strategy())
+train_pipeline(optimizer, batch_size=48)

@@ -31,5 +31,5 @@ strategy.pipeline.micro_batch_size = 2
 # mesh has a pp axis of 2 (and the sharding axis of strategy.sharding.degree).
 mesh = paddle.build_mesh(dp=2, sharding=2, pp=2)
 optimizer = paddle.distributed_optimizer(optimizers.Adam(learning_rate=0.01), strategy, mesh)
-print(paddle.applied_strategy(strategy))
+print(paddle.applied_strategy(strategy, mesh))
 train_pipeline(optimizer, batch_size=16, steps=4)

@@ -1,6 +1,6 @@
 """Seed 004 (the `fleet.Fleet` API): its examples with fleetjax's imports and flax nnx layers in
 place of Paddle's: `init`, the role queries, `barrier_worker`, the parameter-server calls
-(refused: fleetjax trains in collective mode), `distributed_optimizer`, `distributed_model` with
+(which raise in collective mode, as Paddle's do), `distributed_optimizer`, `distributed_model` with
 `backward` / `step` / `clear_grad`, `state_dict` / `set_state_dict`, `set_lr` / `get_lr`,
 `save_inference_model` and `save_persistables`. It writes into the working directory, as the
 seed does.
@@ -44,7 +44,7 @@ print("init_worker, init_server, run_server, stop_worker")
 for call in (fleet.init_worker, fleet.init_server, fleet.run_server, fleet.stop_worker):
     try:
         call()
-    except NotImplementedError as e:  # Paddle, in collective mode: ValueError (so is this)
+    except ValueError as e:  # Paddle's error in collective mode (fleetjax's default)
         print(f"  {call.__name__}: {e}")
 
 print("distributed_optimizer")

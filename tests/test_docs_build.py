@@ -27,6 +27,7 @@ PUBLIC_MODULES = (
     "fleetjax.optimizers",
     "fleetjax.mesh",
     "fleetjax.checkpoint",
+    "fleetjax.data",
     "fleetjax.export",
     "fleetjax.plan",
     "fleetjax.placement",

@@ -30,7 +30,7 @@ import functools
 import os
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grain
@@ -44,6 +44,8 @@ from fleetjax.step import TrainStep
 __all__ = ["Loader"]
 
 _STATE_KEYS = ("grain", "batches", "pipeline")
+Transform = Callable[[Any], Any]  # a record to a record
+BatchFn = Callable[[Sequence[Any]], Any]  # records to a batch
 
 
 class _Arrays:
@@ -66,6 +68,11 @@ class _Arrays:
     def __getitem__(self, index: int) -> Any:
         return jax.tree.map(lambda x: x[index], self._arrays)
 
+    def rows(self, indices: Sequence[int]) -> Any:
+        """The records at `indices`, batched: one numpy gather per leaf."""
+        at = np.asarray(indices)
+        return jax.tree.map(lambda x: x[at], self._arrays)
+
 
 def _is_file_list(source: Any) -> bool:
     return (
@@ -75,8 +82,11 @@ def _is_file_list(source: Any) -> bool:
     )
 
 
-def _records(source: Any) -> grain.MapDataset:
-    """`source` as a finite grain `MapDataset` (files excepted: see `Loader`)."""
+def _records(source: Any, transform: Transform | None) -> tuple[grain.MapDataset, BatchFn | None]:
+    """`source` as a finite grain `MapDataset` of its records after `transform` (files
+    excepted: see `Loader`), and what makes a list of its elements a batch (None: grain stacks
+    them). Numpy arrays without a transform are their record indices, each batch's rows gathered
+    at once: grain's cost per record (tens of microseconds) would outweigh a small step."""
     if isinstance(source, grain.IterDataset):
         raise TypeError(
             "source is a grain IterDataset, which can only be read in order; the loader needs "
@@ -85,7 +95,10 @@ def _records(source: Any) -> grain.MapDataset:
     if isinstance(source, grain.MapDataset):
         records = source
     elif isinstance(source, np.ndarray | dict | list | tuple):
-        records = grain.MapDataset.source(_Arrays(source))
+        arrays = _Arrays(source)
+        if transform is None:
+            return grain.MapDataset.range(len(arrays)), arrays.rows
+        records = grain.MapDataset.source(arrays)
     elif hasattr(source, "__len__") and hasattr(source, "__getitem__"):
         records = grain.MapDataset.source(source)
     else:
@@ -95,7 +108,7 @@ def _records(source: Any) -> grain.MapDataset:
         )
     if len(records) >= 2**62:
         raise ValueError("source is infinite (repeated); give one epoch of records")
-    return records
+    return (records if transform is None else records.map(transform)), None
 
 
 def _process_rows(step: TrainStep, global_batch_size: int) -> range:
@@ -222,7 +235,7 @@ class Loader:
         seed: int = 0,
         shuffle: bool = True,
         num_epochs: int | None = None,
-        transform: Callable[[Any], Any] | None = None,
+        transform: Transform | None = None,
         prefetch: int = 2,
         read_threads: int = 0,
     ) -> None:
@@ -239,9 +252,10 @@ class Loader:
         self._pipeline = {"global_batch_size": global_batch_size, "seed": seed, "shuffle": shuffle}
         if _is_file_list(source):
             records, self.batches_per_epoch = self._own_files(list(source))
+            records, batch_fn = records if transform is None else records.map(transform), None
             first, parts = 0, 1  # each process batches its own records
         else:
-            records = _records(source)
+            records, batch_fn = _records(source, transform)
             self._pipeline["records"] = len(records)
             _check_size(len(records), global_batch_size, global_batch_size, "the dataset")
             self.batches_per_epoch = len(records) // global_batch_size
@@ -249,9 +263,8 @@ class Loader:
             first, parts = self.process_rows.start // rows, global_batch_size // rows
         if shuffle:
             records = records.shuffle(seed=seed)
-        self._records = records if transform is None else records.map(transform)
-        blocks = self._records.batch(rows, drop_remainder=True)
-        mine = blocks[first : self.batches_per_epoch * parts : parts].repeat(num_epochs)
+        self._blocks = records.batch(rows, drop_remainder=True, batch_fn=batch_fn)
+        mine = self._blocks[first : self.batches_per_epoch * parts : parts].repeat(num_epochs)
         read = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=read_threads)
         placed = mine.to_iter_dataset(read).map(functools.partial(_place, step))
         if prefetch:
@@ -297,9 +310,10 @@ class Loader:
         return records, held[fewest] // rows
 
     def _check_records(self) -> None:
-        """Raise `ValueError` if a batch of the first record's structure does not fit the
-        step's loss: the step is lowered for it (from shapes alone; nothing runs)."""
-        record = jax.tree.map(np.asarray, self._records[0])
+        """Raise `ValueError` if batches like the first do not fit the step's loss: the step is
+        lowered for one (from shapes alone; nothing runs)."""
+        rows = jax.tree.map(np.asarray, self._blocks[0])
+        record = jax.tree.map(lambda x: x[0], rows)
         shapes = jax.tree.map(lambda x: f"{x.dtype}{[self.global_batch_size, *x.shape]}", record)
         try:
             batch = jax.tree.map(

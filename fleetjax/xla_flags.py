@@ -117,6 +117,10 @@ def in_env() -> dict[str, str]:
     return out
 
 
+def _gpu_only(flags: Sequence[Flag]) -> bool:
+    return all(f.name.startswith("xla_gpu_") for f in flags)
+
+
 def apply(flags: Sequence[Flag], owner: str = "DistributedStrategy") -> tuple[Flag, ...]:
     """Put `flags` (a plan's `xla_flags`) into `XLA_FLAGS`, for the backend JAX starts next.
 
@@ -140,6 +144,8 @@ def apply(flags: Sequence[Flag], owner: str = "DistributedStrategy") -> tuple[Fl
     if not new:
         return tuple(in_effect)
     if backend_started():
+        if _gpu_only(new) and jax.default_backend() == "cpu":
+            return tuple(in_effect)  # XLA:CPU has no counterpart: nothing is lost
         listed = ", ".join(f"{owner}.{f.knob} ({f})" for f in new)
         warn_once(
             f"too late for {listed}: JAX's backend already started in this process and XLA "

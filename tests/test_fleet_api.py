@@ -106,6 +106,33 @@ def test_places_an_nnx_model_as_the_step_places_its_parameters():
     assert placed["down"]["weight"] == P("mp", "sharding")
 
 
+def test_places_batch_norm_statistics_as_the_step_places_its_model_state():
+    """The drift case: ZeRO-3 splits large parameters over `sharding`; batch-norm statistics
+    are model state, which the step places by their logical names and never splits by ZeRO's
+    rule (a copy of the placement code in distributed_model split the large ones too)."""
+    zero3 = DS(
+        sharding=True, sharding_configs={"stage": 3, "sharding_degree": 8}, sync_batch_norm=True
+    )
+    mesh = mesh_for(read_plan(zero3))
+
+    class Wide(nnx.Module):
+        def __init__(self) -> None:
+            self.linear = nnx.Linear(4, 8192, rngs=nnx.Rngs(0))
+            self.norm = nnx.BatchNorm(8192, rngs=nnx.Rngs(1))
+
+    model = distributed_model(Wide(), zero3, mesh)
+    stats = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
+    step = fleetjax.make_train_step(
+        lambda p, s, b: (0.0, s), optax.sgd(0.1), zero3, mesh, has_state=True
+    )
+    state = step.init(pure_params(model), model_state=jax.tree.map(jnp.copy, stats))
+    same = lambda a, b: a.sharding.is_equivalent_to(b.sharding, a.ndim)  # noqa: E731
+    assert all(jax.tree.leaves(jax.tree.map(same, stats, state.model_state)))
+    assert stats["norm"]["mean"].sharding.is_fully_replicated  # 8192 statistics on every device
+    assert jax.tree.map(spec_of, pure_params(model)) == jax.tree.map(spec_of, state.params)
+    assert pure_params(model)["linear"]["kernel"].sharding.spec == P(None, "sharding")
+
+
 def test_places_pytrees_and_linen_variables():
     strategy = DS(hybrid_configs={"dp_degree": 4, "mp_degree": 2})
     mesh = mesh_for(read_plan(strategy))

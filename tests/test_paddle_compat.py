@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import numpy as np
 import pytest
 
@@ -541,6 +542,7 @@ class TestFlagsInOneProcess:
         self, fresh_fleet, monkeypatch
     ):
         monkeypatch.setenv("FLAGS_cudnn_exhaustive_search", "false")
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # where the flag matters
         s = fleetjax.DistributedStrategy()
         with pytest.warns(StrategyWarning, match="too late for DistributedStrategy.cudnn_exhaus"):
             fresh_fleet.init(strategy=s)

@@ -135,6 +135,7 @@ def test_an_unknown_flag_is_never_set(monkeypatch):
 
 def test_a_late_flag_warns_once_and_changes_nothing(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # where the flag would matter
     strategy = distributed(fuse_grad_size_in_MB=16)
     with pytest.warns(
         fleetjax.StrategyWarning,
@@ -147,6 +148,20 @@ def test_a_late_flag_warns_once_and_changes_nothing(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert fleet.Fleet().init(strategy=strategy)._xla_flags == ()
+
+
+def test_a_late_gpu_flag_on_cpu_is_no_loss_and_says_nothing(monkeypatch):
+    """Seed 003's order: fleet.init() first, the strategy later; XLA:CPU has no counterpart of
+    the GPU flags, so nothing is lost by missing them."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flags = read_plan(distributed(fuse_all_reduce_ops=True)).xla_flags
+        assert [f.knob for f in flags] == [
+            "fuse_all_reduce_ops=True (Paddle's fuse_grad_size_in_MB=32)"
+        ]
+        assert xla_flags.apply(flags) == ()
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
 
 
 def test_a_flag_xla_flags_already_sets_wins(monkeypatch):

@@ -15,12 +15,9 @@ from fleetjax import _paddle_env, checkpoint, export, xla_flags
 from fleetjax._applied import AppliedStrategy, applied_strategy
 from fleetjax.distributed_model import distributed_model
 from fleetjax.distributed_optimizer import DistributedOptimizer, distributed_optimizer
+from fleetjax.fleet._join import default_role_maker, join_processes
 from fleetjax.fleet._trainer import Trainer
-from fleetjax.fleet.base.role_maker import (
-    JaxProcessRoleMaker,
-    PaddleCloudRoleMaker,
-    RoleMakerBase,
-)
+from fleetjax.fleet.base.role_maker import RoleMakerBase
 from fleetjax.fleet.base.util_factory import UtilBase
 from fleetjax.plan import mesh_for, read_plan
 from fleetjax.strategy import DistributedStrategy, Strategy
@@ -80,7 +77,8 @@ class Fleet:
         Args:
           role_maker: default `PaddleCloudRoleMaker()` (reads the `PADDLE_*` variables), or,
             without them, `JaxProcessRoleMaker()` if the script already called
-            `jax.distributed.initialize()` (SLURM, Open MPI).
+            `jax.distributed.initialize()` or JAX's cluster detection finds a job of several
+            processes (SLURM, Open MPI, Kubernetes), which `init` then joins.
           is_collective: must be True (parameter-server mode is not supported yet).
           strategy: a `DistributedStrategy` or `Strategy` (copied; default plain DP). Its
             degrees shape the mesh.
@@ -88,7 +86,8 @@ class Fleet:
 
         Raises:
           NotImplementedError: for parameter-server mode.
-          RuntimeError: if JAX already ran a computation and several processes must join.
+          RuntimeError: if JAX already ran a computation and several processes must join, or
+            a scheduler's variables promise several tasks that cannot be joined.
           ValueError: if the strategy's degrees do not fit the devices.
         """
         if not isinstance(is_collective, bool):
@@ -108,9 +107,7 @@ class Fleet:
         plan = read_plan(strategy)  # fail fast on settings fleetjax cannot apply
         self._xla_flags = xla_flags.apply(plan.xla_flags, plan.strategy)
         if role_maker is None:
-            from_jax = "PADDLE_TRAINER_ENDPOINTS" not in os.environ
-            from_jax = from_jax and jax.distributed.is_initialized()
-            role_maker = JaxProcessRoleMaker() if from_jax else PaddleCloudRoleMaker()
+            role_maker = default_role_maker()
         if not isinstance(role_maker, RoleMakerBase):
             raise TypeError(
                 f"role_maker must be a fleetjax role maker, got {type(role_maker).__name__}"
@@ -119,7 +116,7 @@ class Fleet:
         self.util._set_role_maker(role_maker)
         self.util._set_strategy(strategy)
         if role_maker.is_distributed:
-            _join_processes(role_maker)
+            join_processes(role_maker)
         self._mesh = mesh_for(plan)
         self._role, self._strategy = role_maker, strategy.__copy__()
         self._model = self._param_specs = self._optimizer = self._trainer = None
@@ -341,27 +338,3 @@ class Fleet:
 
     def stop_worker(self) -> None:
         raise _ParameterServerCallError(_PS_ERROR.format("stop_worker"))
-
-
-def _join_processes(role: RoleMakerBase) -> None:
-    """`jax.distributed.initialize` for this worker; the coordinator is worker 0's endpoint
-    unless `JAX_COORDINATOR_ADDRESS` names another."""
-    if jax.distributed.is_initialized():
-        if jax.process_count() != role.worker_num:
-            raise RuntimeError(
-                f"jax.distributed already joined {jax.process_count()} processes, but the "
-                f"role lists {role.worker_num} workers"
-            )
-        return
-    coordinator = os.environ.get("JAX_COORDINATOR_ADDRESS") or role.worker_endpoints[0]
-    try:
-        jax.distributed.initialize(
-            coordinator_address=coordinator,
-            num_processes=role.worker_num,
-            process_id=role.worker_index,
-        )
-    except RuntimeError as e:
-        raise RuntimeError(
-            f"could not join {role.worker_num} processes through {coordinator}: {e}. "
-            "fleet.init() must run before any JAX computation in each process."
-        ) from e

@@ -62,6 +62,8 @@ def _distributed_flags(s: DistributedStrategy) -> list[Flag]:
         # Gradients are all-reduced in buckets of fuse_grad_size_in_MB; off: one per gradient.
         if s.fuse_all_reduce_ops:
             knob = f"fuse_grad_size_in_MB={s.fuse_grad_size_in_MB}"
+            if not s.is_set("fuse_grad_size_in_MB"):  # the user set only the switch
+                knob = f"fuse_all_reduce_ops=True (Paddle's {knob})"
             flags.append(Flag(_ALL_REDUCE, str(s.fuse_grad_size_in_MB * MiB), knob))
         else:
             flags.append(Flag(_ALL_REDUCE, "0", "fuse_all_reduce_ops=False"))

@@ -426,8 +426,9 @@ class UserDefinedRoleMaker(_EndpointRoleMaker):
 
 
 class JaxProcessRoleMaker(_CollectiveRoleMaker):
-    """The role of a process that joined JAX's runtime before `fleet.init` (the script called
-    `jax.distributed.initialize()`, which found the cluster itself: SLURM, Open MPI, ...).
+    """The role of a process in JAX's multi-process runtime, joined by the script
+    (`jax.distributed.initialize()`) or by `fleet.init()` through JAX's cluster detection
+    (SLURM, Open MPI, Kubernetes, ...).
 
     The worker index and count are JAX's process index and count. Other processes' endpoints
     are not known, so `worker_endpoints` is empty.

@@ -4,7 +4,7 @@
 source, numpy arrays, or a list of ArrayRecord files), shuffles it with `seed` (a new order each
 epoch), and yields the step's global batches as `jax.Array`s placed by `step.shard_batch`:
 
-    source --shuffle(seed)--> records --map(transform)--> --batch(this process's rows)-->
+    source --map(transform)--> records --shuffle(seed)--> --batch(this process's rows)-->
       this process's part of each global batch --shard_batch--> global jax.Array (prefetched)
 
 Each process reads only its own rows of each global batch, and the global batches are the same
@@ -194,8 +194,8 @@ class Loader:
         ArrayRecord files, each process reading its block as `fleet.util.get_file_shard` gives
         it (records are bytes then: decode them with `transform`).
       step: the `TrainStep` the batches are for: its mesh and plan say how the global batch
-        splits, `shard_batch` places it, and once it has a state (`step.init`) the first
-        record is checked against its loss (`step.lower`, nothing runs).
+        splits, `shard_batch` places it, and once it has a state (`step.init`) a batch like
+        the first is checked against its loss (`step.lower`, nothing runs).
       global_batch_size: rows per step over all processes. It must split over the data-parallel
         devices, into in-step `gradient_merge` `k_steps` on each, and under a pipeline equal
         replicas x `micro_batch_size` x `accumulate_steps`.
@@ -292,18 +292,14 @@ class Loader:
                 f"global batch, but this one's devices hold rows {self.process_rows} of "
                 f"{self.global_batch_size}: give a MapDataset or arrays instead"
             )
-        mine = file_shard(files, index, count)
-        if not mine:
-            raise ValueError(
-                f"{len(files)} files do not go round {count} processes: process {index} gets none"
-            )
-        records = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(mine))
+        mine = file_shard(files, index, count)  # none where there are fewer files than processes
+        records = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(mine or files))
         self._pipeline["files"] = [len(files), count]
-        held = [len(records)]
+        held = [len(records) if mine else 0]  # without files of its own, refused below
         if count > 1:  # all processes gather before any of them can raise
             from jax.experimental import multihost_utils
 
-            held = multihost_utils.process_allgather(np.int64(len(records))).tolist()
+            held = multihost_utils.process_allgather(np.int64(held[0])).tolist()
         fewest = int(np.argmin(held))
         what = f"process {fewest}'s files {file_shard(files, fewest, count)}"
         _check_size(held[fewest], rows, self.global_batch_size, what)

@@ -79,6 +79,10 @@ def shards(files_dir: str) -> None:
         report("files per epoch", loader.batches_per_epoch)
         for i in range(3):
             report(f"files {i}", ids(next(loader)))
+    try:  # one file for two processes: each raises, neither waits for the other
+        Loader(files[:1], step, BATCH, transform=decode)
+    except ValueError as e:
+        report("one file", str(e))
     multihost_utils.sync_global_devices("done")
 
 

@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -285,6 +286,13 @@ def test_two_processes_read_disjoint_shards_of_one_processs_batches(tmp_path):
         (mine, whole), (theirs, _) = first[f"files {i}"], second[f"files {i}"]
         assert set(mine) <= set(range(44)) and set(theirs) <= set(range(44, 68))
         assert whole == mine + theirs and len(mine) == len(theirs) == 8
+    # Fewer files than processes: both refuse, naming the one left without.
+    assert first["one file"] == second["one file"]
+    assert re.match(
+        r"process 1's files \[\] has 0 records, fewer than one global batch needs "
+        r"\(8 rows of global_batch_size=16\)$",
+        first["one file"],
+    )
 
 
 # -- bad input -------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ NAMES = (
     "comm_bytes",
     "memory_transforms",
     "pipeline_memory",
+    "input_pipeline",
     "gpu",
 )
 

@@ -45,6 +45,17 @@ Faults:
   * Bad options, a busy coordinator port, a `--log_dir` that cannot be a directory: one line
     `fleetjax-run: error: ...` and exit code 2, before anything starts.
 
+Parameter-server jobs (Paddle's `--server_num`, `--servers`, `--trainer_num`, `--workers`):
+the processes are trainers and servers with Paddle's parameter-server variables
+(`TRAINING_ROLE`, `PADDLE_PSERVERS_IP_PORT_LIST`, `PADDLE_TRAINERS_NUM`, `PADDLE_TRAINER_ID`,
+`POD_IP`, `PADDLE_PORT`, `PADDLE_TRAINER_ENDPOINTS`), which `fleet.init(is_collective=False)`
+reads. The trainers join as one SPMD job (fleetjax's tables live sharded over their devices)
+and log to `workerlog.N`; a server logs to `serverlog.N` and, in fleetjax, ends at once
+(`fleet.run_server()` returns). `--server_num`/`--trainer_num` put them on this node, at ports
+from `--start_port` on (servers first); `--servers`/`--workers` list their endpoints, and
+each node starts those at its own addresses:
+    python -m fleetjax.launch --server_num 1 --trainer_num 2 --cpu_devices_per_proc 4 train.py
+
 Where a scheduler starts the processes (SLURM, Open MPI, Kubernetes), no launcher is needed:
 `srun python train.py`, whose `fleet.init()` finds the job through JAX's cluster detection.
 """
@@ -91,14 +102,21 @@ class Worker:
     """One process to start on this node.
 
     Attributes:
-      rank: the global worker index (`PADDLE_TRAINER_ID`).
+      rank: the global worker index (`PADDLE_TRAINER_ID`; a parameter server's index).
       local_rank: the index on this node (`PADDLE_RANK_IN_NODE`).
       env: the variables this launcher sets for it (on top of its own environment).
+      role: "worker", or "server" (a parameter server).
     """
 
     rank: int
     local_rank: int
     env: dict[str, str]
+    role: str = "worker"
+
+    @property
+    def log_name(self) -> str:
+        """Its log's file name: Paddle's `workerlog.N` or `serverlog.N`."""
+        return f"{self.role}log.{self.rank}"
 
 
 def heartbeat() -> None:
@@ -191,6 +209,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="stop the job when a worker neither writes to its log nor calls "
         "fleetjax.launch.heartbeat() for this long (default: never)",
     )
+    ps = parser.add_argument_group("parameter-server jobs (Paddle's)")
+    ps.add_argument("--server_num", type=int, help="parameter servers on this node")
+    ps.add_argument("--servers", help="comma-separated ip:port of every parameter server")
+    ps.add_argument("--trainer_num", type=int, help="trainers on this node")
+    ps.add_argument("--workers", help="comma-separated ip:port of every trainer")
     add("training_script", nargs="?", help="the script each process runs")
     add("training_script_args", nargs=argparse.REMAINDER)
     return parser.parse_args(argv)
@@ -335,6 +358,8 @@ def plan_workers(
     environ = os.environ if environ is None else environ
     if not 0 < args.start_port < 65536:
         raise LaunchError(f"--start_port must be a port number 1..65535, got {args.start_port}")
+    if any(getattr(args, name) is not None for name in _PS_OPTIONS):
+        return _plan_parameter_server(args, environ)
     gpus = _selected_gpus(args.devices, environ)
     if gpus and args.cpu_devices_per_proc is not None:
         raise LaunchError(
@@ -361,18 +386,9 @@ def plan_workers(
         "PADDLE_TRAINERS_NUM": str(len(endpoints)),
         "PADDLE_TRAINER_ENDPOINTS": ",".join(endpoints),
         "PADDLE_NNODES": str(len(nodes)),
-        "JAX_COORDINATOR_ADDRESS": endpoints[0],
+        **_jax_devices(gpus, cpu_devices, endpoints[0], environ),
     }
-    if not gpus:
-        common.update(
-            JAX_PLATFORMS="cpu",
-            JAX_NUM_CPU_DEVICES=str(cpu_devices),
-            JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
-        )
-    elif not environ.get("JAX_PLATFORMS"):
-        common["JAX_PLATFORMS"] = "cuda"  # a GPU that JAX cannot use fails, never the CPU
     first = sum(len(n) for n in nodes[:node])
-    per_process = len(gpus) // nproc
     workers = []
     for local_rank in range(nproc):
         rank = first + local_rank
@@ -381,14 +397,114 @@ def plan_workers(
             "PADDLE_TRAINER_ID": str(rank),
             "PADDLE_CURRENT_ENDPOINT": endpoints[rank],
             "PADDLE_RANK_IN_NODE": str(local_rank),
+            **_gpus_of(gpus, local_rank, nproc),
         }
-        if gpus:
-            mine = ",".join(gpus[local_rank * per_process : (local_rank + 1) * per_process])
-            env.update(
-                CUDA_VISIBLE_DEVICES=mine, FLAGS_selected_gpus=mine, PADDLE_LOCAL_DEVICE_IDS=mine
-            )
         workers.append(Worker(rank, local_rank, env))
     return workers
+
+
+def _jax_devices(
+    gpus: Sequence[str], cpu_devices: int, coordinator: str, environ: Mapping[str, str]
+) -> dict[str, str]:
+    """The JAX variables of a trainer: the coordinator, and the CPU devices or the GPUs."""
+    env = {"JAX_COORDINATOR_ADDRESS": coordinator}
+    if not gpus:
+        env.update(
+            JAX_PLATFORMS="cpu",
+            JAX_NUM_CPU_DEVICES=str(cpu_devices),
+            JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+        )
+    elif not environ.get("JAX_PLATFORMS"):
+        env["JAX_PLATFORMS"] = "cuda"  # a GPU that JAX cannot use fails, never the CPU
+    return env
+
+
+def _gpus_of(gpus: Sequence[str], local_rank: int, nproc: int) -> dict[str, str]:
+    """The GPU variables of this node's process `local_rank` of `nproc` (none without GPUs)."""
+    if not gpus:
+        return {}
+    per_process = len(gpus) // nproc
+    mine = ",".join(gpus[local_rank * per_process : (local_rank + 1) * per_process])
+    return {
+        "CUDA_VISIBLE_DEVICES": mine,
+        "FLAGS_selected_gpus": mine,
+        "PADDLE_LOCAL_DEVICE_IDS": mine,
+    }
+
+
+# -- parameter-server jobs ---------------------------------------------------------------------
+_PS_OPTIONS = ("server_num", "servers", "trainer_num", "workers")
+
+
+def _ps_endpoint(text: str, option: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise LaunchError(f"{option}: {text!r} is not an endpoint of the form ip:port")
+    return f"{host}:{int(port)}"
+
+
+def _ps_endpoints(listed: str | None, count: int | None, what: str, first_port: int) -> list[str]:
+    """Every server's or trainer's endpoint: `--servers`/`--workers`, else `count` on this
+    node from `first_port`."""
+    option, count_option = (
+        ("--servers", "--server_num") if what == "server" else ("--workers", "--trainer_num")
+    )
+    if listed is not None:
+        endpoints = [_ps_endpoint(e, option) for e in _split(listed, option)]
+        if count is not None and count != len(endpoints):
+            raise LaunchError(f"{count_option} {count} but {option} lists {len(endpoints)}")
+        if len(set(endpoints)) != len(endpoints):
+            raise LaunchError(f"{option} {listed} repeats an endpoint")
+        return endpoints
+    if count is None or count < 1:
+        raise LaunchError(
+            f"a parameter-server job needs {count_option} (at least 1) or {option}; got "
+            f"{count_option} {count}"
+        )
+    return [f"127.0.0.1:{first_port + i}" for i in range(count)]
+
+
+def _plan_parameter_server(args: argparse.Namespace, environ: Mapping[str, str]) -> list[Worker]:
+    """This node's trainers (first) and servers of a parameter-server job: those of
+    `--workers`/`--servers` at an address this machine owns, or all with the counts."""
+    for option in ("ips", "master", "nproc_per_node"):
+        if getattr(args, option) is not None:
+            raise LaunchError(
+                f"--{option} is for collective jobs; a parameter-server job's processes are "
+                "given by --server_num/--servers and --trainer_num/--workers"
+            )
+    servers = _ps_endpoints(args.servers, args.server_num, "server", args.start_port)
+    trainers = _ps_endpoints(
+        args.workers, args.trainer_num, "trainer", args.start_port + len(servers)
+    )
+    if len(set(servers) | set(trainers)) != len(servers) + len(trainers):
+        raise LaunchError("a server and a trainer have the same endpoint")
+    gpus = _selected_gpus(args.devices, environ)
+    mine = [i for i, e in enumerate(trainers) if _is_local_address(e.rpartition(":")[0])]
+    local_servers = [i for i, e in enumerate(servers) if _is_local_address(e.rpartition(":")[0])]
+    if not mine and not local_servers:
+        raise LaunchError("none of --servers/--workers is at an address of this machine")
+    if gpus and mine and len(gpus) % len(mine):
+        raise LaunchError(f"{len(gpus)} GPUs do not split evenly over {len(mine)} trainers")
+    common = {
+        "PADDLE_PSERVERS_IP_PORT_LIST": ",".join(servers),
+        "PADDLE_TRAINER_ENDPOINTS": ",".join(trainers),
+        "PADDLE_TRAINERS_NUM": str(len(trainers)),
+    }
+    cpu_devices = args.cpu_devices_per_proc if args.cpu_devices_per_proc is not None else 1
+    jax_env = _jax_devices(gpus, cpu_devices, trainers[0], environ)
+    planned = []
+    for local_rank, rank in enumerate(mine):
+        host, _, port = trainers[rank].rpartition(":")
+        env = {**common, **jax_env, "TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": str(rank)}
+        env.update(POD_IP=host, PADDLE_PORT=port, **_gpus_of(gpus, local_rank, len(mine)))
+        planned.append(Worker(rank, local_rank, env))
+    for local_rank, index in enumerate(local_servers):
+        host, _, port = servers[index].rpartition(":")
+        env = {**common, "TRAINING_ROLE": "PSERVER", "POD_IP": host, "PADDLE_PORT": port}
+        env["JAX_PLATFORMS"] = "cpu"  # a server never takes an accelerator
+        planned.append(Worker(index, len(mine) + local_rank, env, role="server"))
+    return planned
 
 
 def check_port_free(port: int) -> None:
@@ -512,7 +628,7 @@ def _last_progress(log: pathlib.Path) -> float:
 
 
 def _report(worker: Worker, what: str, log: pathlib.Path) -> None:
-    _say(f"worker {worker.rank} {what}; stopping all workers")
+    _say(f"{worker.role} {worker.rank} {what}; stopping all workers")
     _say(f"the end of {log}:\n{_tail(log, LOG_TAIL_LINES)}")
 
 
@@ -617,7 +733,7 @@ def run(
         text=True,
     )
     assert guard.stdin is not None
-    logs = [log_dir / f"workerlog.{worker.rank}" for worker in workers]
+    logs = [log_dir / worker.log_name for worker in workers]
     handlers = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     procs: list[subprocess.Popen] = []
     echo = None
@@ -652,17 +768,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         log_dir = _checked_paths(args)
         workers = plan_workers(args)
         world = int(workers[0].env["PADDLE_TRAINERS_NUM"])
-        if world > 1 and workers[0].rank == 0:
-            check_port_free(args.start_port)
+        coordinator = workers[0].env.get("JAX_COORDINATOR_ADDRESS", "")
+        if world > 1 and workers[0].rank == 0 and workers[0].role == "worker":
+            check_port_free(int(coordinator.rpartition(":")[2]))
     except LaunchError as e:
         _say(f"error: {e}")
         return 2
     except KeyboardInterrupt:  # waiting for the other nodes at --master
         _say("got SIGINT before any worker started")
         return 128 + signal.SIGINT
+    servers = sum(worker.role == "server" for worker in workers)
+    trainers = [worker.rank for worker in workers if worker.role == "worker"]
+    started = f"workers {trainers[0]}..{trainers[-1]} of {world}" if trainers else "no workers"
     _say(
-        f"starting workers {workers[0].rank}..{workers[-1].rank} of {world}; "
-        f"logs in {log_dir}/workerlog.N"
+        f"starting {started}{f' and {servers} parameter server(s)' if servers else ''}; "
+        f"logs in {log_dir}/workerlog.N{', serverlog.N' if servers else ''}"
     )
     command = [sys.executable, "-u", args.training_script, *args.training_script_args]
     return run(workers, command, log_dir, args.heartbeat_timeout)

@@ -16,23 +16,14 @@ from fleetjax._applied import AppliedStrategy, applied_strategy
 from fleetjax.distributed_model import distributed_model
 from fleetjax.distributed_optimizer import DistributedOptimizer, distributed_optimizer
 from fleetjax.fleet._join import default_role_maker, join_processes
+from fleetjax.fleet._ps import runtime_call
 from fleetjax.fleet._trainer import Trainer
-from fleetjax.fleet.base.role_maker import RoleMakerBase
+from fleetjax.fleet.base.role_maker import PaddleCloudRoleMaker, Role, RoleMakerBase
 from fleetjax.fleet.base.util_factory import UtilBase
 from fleetjax.plan import mesh_for, read_plan
 from fleetjax.strategy import DistributedStrategy, Strategy
 
 logger = logging.getLogger("fleetjax")
-
-_PS_ERROR = (
-    "{}() is a parameter-server call; parameter-server mode is not supported yet "
-    "(fleetjax trains in collective mode)"
-)
-
-
-class _ParameterServerCallError(NotImplementedError, ValueError):
-    """A parameter-server call in collective mode; also the ValueError Paddle raises there
-    ("Fleet can not find suitable runtime handler")."""
 
 
 class Fleet:
@@ -41,6 +32,9 @@ class Fleet:
 
     With several worker endpoints (`PADDLE_TRAINER_ENDPOINTS`, as `fleetrun`/`fleetjax-run`
     set), `init` joins all processes with `jax.distributed.initialize` into one global mesh.
+    In parameter-server mode (`init(is_collective=False)`) the trainers join so, and a server
+    joins nothing: its role queries answer as Paddle's and `init_server()`/`run_server()`
+    return (fleetjax's tables live on the trainers; docs/parameter_server.md).
 
     Paddle 2.0's dygraph calls on the fleet (`minimize`, `step`, `clear_grad`, `state_dict`,
     `set_state_dict`, `get_lr`, `set_lr`) act on the fleet's `Trainer`, which the first
@@ -78,22 +72,23 @@ class Fleet:
           role_maker: default `PaddleCloudRoleMaker()` (reads the `PADDLE_*` variables), or,
             without them, `JaxProcessRoleMaker()` if the script already called
             `jax.distributed.initialize()` or JAX's cluster detection finds a job of several
-            processes (SLURM, Open MPI, Kubernetes), which `init` then joins.
-          is_collective: must be True (parameter-server mode is not supported yet).
+            processes (SLURM, Open MPI, Kubernetes), which `init` then joins; in
+            parameter-server mode `PaddleCloudRoleMaker(is_collective=False)` (Paddle's
+            `TRAINING_ROLE`, `PADDLE_PSERVERS_IP_PORT_LIST`, ... variables).
+          is_collective: collective (True, fleetjax's default) or parameter-server mode
+            (False, Paddle's default), when no `role_maker` is given.
           strategy: a `DistributedStrategy` or `Strategy` (copied; default plain DP). Its
             degrees shape the mesh.
           log_level: the level of the "fleetjax" logger.
 
         Raises:
-          NotImplementedError: for parameter-server mode.
           RuntimeError: if JAX already ran a computation and several processes must join, or
             a scheduler's variables promise several tasks that cannot be joined.
-          ValueError: if the strategy's degrees do not fit the devices.
+          ValueError: if the strategy's degrees do not fit the devices, or the environment
+            describes no valid role.
         """
         if not isinstance(is_collective, bool):
             raise TypeError(f"is_collective must be bool, got {type(is_collective).__name__}")
-        if not is_collective:
-            raise NotImplementedError(_PS_ERROR.format("init(is_collective=False)"))
         strategy = DistributedStrategy() if strategy is None else strategy
         if not isinstance(strategy, (DistributedStrategy, Strategy)):
             raise TypeError(
@@ -107,7 +102,8 @@ class Fleet:
         plan = read_plan(strategy)  # fail fast on settings fleetjax cannot apply
         self._xla_flags = xla_flags.apply(plan.xla_flags, plan.strategy)
         if role_maker is None:
-            role_maker = default_role_maker()
+            collective = default_role_maker
+            role_maker = collective() if is_collective else PaddleCloudRoleMaker(False)
         if not isinstance(role_maker, RoleMakerBase):
             raise TypeError(
                 f"role_maker must be a fleetjax role maker, got {type(role_maker).__name__}"
@@ -117,15 +113,16 @@ class Fleet:
         self.util._set_strategy(strategy)
         if role_maker.is_distributed:
             join_processes(role_maker)
-        self._mesh = mesh_for(plan)
+        server = role_maker.role == Role.SERVER  # a parameter server builds no mesh
+        self._mesh = None if server else mesh_for(plan)
         self._role, self._strategy = role_maker, strategy.__copy__()
         self._model = self._param_specs = self._optimizer = self._trainer = None
-        logger.info(
-            "fleet: worker %d of %d, mesh %s",
-            role_maker.worker_index,
-            role_maker.worker_num,
-            dict(self._mesh.shape),
-        )
+        if server:
+            index, count = role_maker._server_index(), role_maker._server_num()
+            logger.info("fleet: parameter server %d of %d", index, count)
+        else:
+            index, count = role_maker.worker_index, role_maker.worker_num
+            logger.info("fleet: worker %d of %d, mesh %s", index, count, dict(self._mesh.shape))
         return self
 
     def _checked_role(self) -> RoleMakerBase:
@@ -136,8 +133,14 @@ class Fleet:
     @property
     def mesh(self) -> Mesh:
         """The global device mesh built from the strategy by `init`."""
-        self._checked_role()
-        assert self._mesh is not None
+        role = self._checked_role()
+        if self._mesh is None:
+            raise RuntimeError(
+                f"this process is parameter server {role._server_index()}: fleetjax's sparse "
+                "tables live sharded over the trainers' devices, so a server builds no mesh and "
+                "trains nothing; branch on fleet.is_server() (init_server(), run_server()) "
+                "before building the model"
+            )
         return self._mesh
 
     @property
@@ -285,15 +288,15 @@ class Fleet:
         return self._checked_role()._node_num()
 
     def server_num(self) -> int:
-        """0: there are no parameter servers in collective mode."""
+        """The parameter servers' count (0 in collective mode)."""
         return self._checked_role()._server_num()
 
     def server_index(self) -> int:
-        """0: there are no parameter servers in collective mode."""
+        """This process's index (Paddle's `current_id`; 0 in collective mode)."""
         return self._checked_role()._server_index()
 
     def server_endpoints(self, to_string: bool = False) -> list[str] | str:
-        """Empty: there are no parameter servers in collective mode."""
+        """The parameter servers' endpoints (empty in collective mode)."""
         endpoints = self._checked_role()._get_pserver_endpoints()
         return ",".join(endpoints) if to_string else list(endpoints)
 
@@ -326,15 +329,21 @@ class Fleet:
         """The exported model in `dirname`, callable with plain JAX."""
         return export.load_inference_model(dirname)
 
-    # -- parameter-server runtime: not supported -------------------------------------------
-    def init_worker(self, *args: object, **kwargs: object) -> None:
-        raise _ParameterServerCallError(_PS_ERROR.format("init_worker"))
+    # -- parameter-server runtime (fleetjax.fleet._ps) -------------------------------------
+    def init_worker(self, scopes: object = None) -> None:
+        """A trainer's start in parameter-server mode: logs and returns (the tables live on
+        the trainers' devices; nothing to pull). `scopes` are Paddle's static-graph scopes."""
+        del scopes  # JAX has no scopes
+        runtime_call(self._checked_role(), "init_worker")
 
     def init_server(self, *args: object, **kwargs: object) -> None:
-        raise _ParameterServerCallError(_PS_ERROR.format("init_server"))
+        """A server's start in parameter-server mode: logs and returns (it holds no table)."""
+        runtime_call(self._checked_role(), "init_server", bool(args or kwargs))
 
     def run_server(self) -> None:
-        raise _ParameterServerCallError(_PS_ERROR.format("run_server"))
+        """A server's loop in parameter-server mode: logs and returns (nothing to serve)."""
+        runtime_call(self._checked_role(), "run_server")
 
     def stop_worker(self) -> None:
-        raise _ParameterServerCallError(_PS_ERROR.format("stop_worker"))
+        """A trainer's end in parameter-server mode: logs and returns."""
+        runtime_call(self._checked_role(), "stop_worker")

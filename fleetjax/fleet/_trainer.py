@@ -14,6 +14,7 @@ Every strategy applies exactly as with the functional step, which it calls once 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -24,7 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from fleetjax.distributed_optimizer import DistributedOptimizer
-from fleetjax.layers import partition_specs
+from fleetjax.layers import is_table, partition_specs
 from fleetjax.optimizers import get_lr, param_names, set_lr
 from fleetjax.step import TrainStep, make_train_step
 from fleetjax.strategy import DistributedStrategy, Strategy
@@ -92,7 +93,7 @@ class Trainer:
         step_loss, params, model_state, state_specs = loss_fn, model, None, None
         if self._module is not None:
             graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)
-            params = nnx.to_pure_dict(param_state)
+            params = _with_tables(param_state, nnx.to_pure_dict(param_state))
             at = mesh if mesh is not None else getattr(optimizer, "mesh", None)
             if param_specs is None:
                 param_specs = nnx.to_pure_dict(partition_specs(param_state, mesh=at))
@@ -241,6 +242,15 @@ class Trainer:
             nnx.update(self._module, self._first_replica(self.params))
             if self.state.model_state is not None:
                 nnx.update(self._module, self.state.model_state)
+
+
+def _with_tables(param_state: nnx.State, params: dict[str, Any]) -> dict[str, Any]:
+    """`params` (a pure dict) with the model's sparse tables kept as `SparseTable`s: the step
+    trains those by their touched rows (`fleetjax.layers.SparseEmbedding`)."""
+    for path, variable in nnx.to_flat_state(param_state):
+        if is_table(variable):
+            functools.reduce(lambda d, key: d[key], path[:-1], params)[path[-1]] = variable
+    return params
 
 
 def _module_loss(

@@ -11,6 +11,7 @@ from fleetjax.optimizers._dgc import (
     sparsity_at,
     top_k_count,
 )
+from fleetjax.optimizers._geo import GeoState, geo_sgd
 from fleetjax.optimizers._lamb import lamb, scale_by_lamb_trust_ratio
 from fleetjax.optimizers._lars import lars, scale_by_lars
 from fleetjax.optimizers._localsgd import (
@@ -39,6 +40,8 @@ __all__ = [
     # per-replica wrappers, run inside shard_map
     "localsgd",
     "adaptive_localsgd",
+    "geo_sgd",
+    "GeoState",
     "LocalSGDState",
     "AdaptiveLocalSGDState",
     # building blocks

@@ -1,5 +1,6 @@
-"""Paddle's optimizer switches: rebuilds for LARS, LAMB and DGC, wrappers for LocalSGD and
-Adaptive LocalSGD, refusing with a clear error what Paddle would silently drop."""
+"""Paddle's optimizer switches: rebuilds for LARS, LAMB and DGC, wrappers for LocalSGD,
+Adaptive LocalSGD and Geo-SGD (`a_sync` with `a_sync_configs.k_steps`), refusing with a clear
+error what Paddle would silently drop."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import optax
 from fleetjax.mesh import DATA_AXES
 from fleetjax.optimizers._basic import PaddleOptimizer
 from fleetjax.optimizers._dgc import dgc
+from fleetjax.optimizers._geo import geo_sgd
 from fleetjax.optimizers._lamb import lamb
 from fleetjax.optimizers._lars import lars
 from fleetjax.optimizers._localsgd import adaptive_localsgd, localsgd
@@ -55,9 +57,9 @@ def rebuild(
     switch's `configs` (its `*_configs`, e.g. a plan's `OptimizerSwitch`).
 
     `lars` turns a Momentum into `lars(...)`, `lamb` an Adam into `lamb(...)`, `dgc` a
-    Momentum into `dgc(...)`; `localsgd` and `adaptive_localsgd` wrap the optimizer. The DGC
-    and LocalSGD results run inside `jax.shard_map` over `axis_names`, on each replica's local
-    gradients and state.
+    Momentum into `dgc(...)`; `localsgd`, `adaptive_localsgd` and `geo` (Geo-SGD) wrap the
+    optimizer. The DGC, LocalSGD and Geo-SGD results run inside `jax.shard_map` over
+    `axis_names`, on each replica's local gradients and state.
 
     Raises:
       TypeError: if a switch must rebuild a plain optax transformation (it needs one from
@@ -66,8 +68,10 @@ def rebuild(
         of optimizer (LARS on Adam, ...), DGC or LocalSGD with one data-parallel replica, or a
         setting the rebuild would lose.
     """
+    if switch == "geo":  # wraps any optimizer, on any number of replicas
+        return geo_sgd(optimizer, configs["k_steps"], axis_names)
     if switch not in _NEEDS:
-        raise ValueError(f"switch must be one of {', '.join(_NEEDS)}, got {switch!r}")
+        raise ValueError(f"switch must be one of {', '.join(_NEEDS)}, geo, got {switch!r}")
     _kind_check(switch, optimizer)
     if switch in ("dgc", "localsgd", "adaptive_localsgd") and data_parallel_size < 2:
         raise ValueError(

@@ -30,6 +30,7 @@ NAMES = (
     "memory_transforms",
     "pipeline_memory",
     "sparse_tables",
+    "input_pipeline",
     "gpu",
 )
 

@@ -29,6 +29,7 @@ PUBLIC_MODULES = (
     "fleetjax.optimizers",
     "fleetjax.mesh",
     "fleetjax.checkpoint",
+    "fleetjax.data",
     "fleetjax.export",
     "fleetjax.plan",
     "fleetjax.placement",
@@ -168,7 +169,7 @@ def test_the_notebooks_are_pages_with_their_outputs_and_plots(site):
     site_dir, build = site
     assert build.returncode == 0, "the site did not build; see test_docs_build_in_strict_mode"
     notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
-    assert len(notebooks) == 5
+    assert len(notebooks) == 6
     for path in notebooks:
         page = site_dir / "notebooks" / path.stem / "index.html"
         page_html = page.read_text()

@@ -35,6 +35,8 @@ def run(*args: str) -> tuple[str, str]:
 def test_trains_and_prints_a_summary():
     summary, progress = run("--steps", "150")
     assert "training: 100%" in progress
+    # 150 steps of 256 of the 1437 training images: 5 batches an epoch.
+    assert "epoch=30.0, input_wait=" in progress and "samples=38,400" in progress
     assert "8 cpu devices, mesh {'dp': 8, 'pp': 1, 'sharding': 1, 'mp': 1}" in summary
     accuracy = float(summary.split("test accuracy ")[1].split("%")[0])
     assert accuracy > 90, summary

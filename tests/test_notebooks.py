@@ -45,6 +45,7 @@ def test_the_notebooks_are_there():
         "03_pipeline_schedules.ipynb",
         "04_optimizers.ipynb",
         "05_migrating_from_paddle.ipynb",
+        "06_input_pipeline.ipynb",
     ]
 
 

@@ -59,7 +59,10 @@ def decode(record: bytes) -> dict[str, np.ndarray]:
 
 
 def report(name: str, value: object) -> None:
-    print(f"{name}: {json.dumps(value)}", flush=True)
+    """One result line, in the file the test names (Gloo's C++ logging writes to stdout too, in
+    the middle of lines)."""
+    with open(os.environ["DATA_WORKER_RESULTS"], "a") as results:
+        results.write(f"{name}: {json.dumps(value)}\n")
 
 
 def shards(files_dir: str) -> None:

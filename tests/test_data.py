@@ -245,20 +245,27 @@ def _shards(files_dir, processes, logs):
         port = s.getsockname()[1]
     procs = []
     for rank in range(processes):
-        env = {**ENV, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}"}
+        results = logs / f"{processes}-{rank}.results"
+        env = {
+            **ENV,
+            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+            "DATA_WORKER_RESULTS": str(results),
+        }
         if processes > 1:
             env["WORKER_RANK"] = str(rank)
         command = [*WORKER, "shards", str(8 // processes), str(files_dir)]
         with open(logs / f"{processes}-{rank}.log", "w") as log:
-            procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=log))
+            procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=log))
     try:
-        outputs = [proc.communicate(timeout=240)[0].decode() for proc in procs]
+        for proc in procs:
+            proc.communicate(timeout=240)
     finally:
         for proc in procs:
             proc.kill()
             proc.communicate()
     for rank, proc in enumerate(procs):
         assert proc.returncode == 0, (logs / f"{processes}-{rank}.log").read_text()
+    outputs = [(logs / f"{processes}-{rank}.results").read_text() for rank in range(processes)]
     return [
         {name: json.loads(value) for name, _, value in map(_split, out.splitlines())}
         for out in outputs

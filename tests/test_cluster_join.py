@@ -67,7 +67,9 @@ def test_two_slurm_tasks_join_and_a_raising_one_exits_at_once():
     assert "process_count 2 worker_num 2 worker_index 1 devices 4" in out1
     # Not held in JAX's shutdown barrier until task 0 ends: out at once, with the traceback.
     assert tasks[1].returncode == 1
-    assert out1.rstrip().endswith("RuntimeError: task 1 fails on purpose"), out1
+    # The traceback is the last word: no shutdown-barrier errors after it (Gloo may still log).
+    after = out1.split("RuntimeError: task 1 fails on purpose", 1)[1]
+    assert all(line.startswith("[Gloo]") for line in after.split("\n") if line.strip()), out1
     raised = float(out1.split("raising at ")[1].split()[0])
     assert ended - raised < 5
     assert not any(alive(task.pid) for task in tasks)

@@ -57,6 +57,7 @@ def accuracy(summary: str) -> float:
     return float(summary.split("test accuracy ")[1].split("%")[0])
 
 
+@pytest.mark.slow
 def test_dgc_reaches_dense_momentum_accuracy():
     """Issue 6: DGC at 99.9% sparsity within 1 point of dense momentum, same steps."""
     dense, _ = run("--optimizer", "momentum", "--steps", "600")

@@ -77,6 +77,7 @@ def test_gpt_trains_dp2_pp2_mp2_from_its_strategy_file():
     assert "samples=960" in progress  # 30 steps of 32 windows
 
 
+@pytest.mark.slow
 def test_gpt_trains_with_dropout_under_the_pipeline():
     summary, _, _ = run("train_gpt.py", "--steps", "20", "--dropout", "0.1", "--log-every", "10")
     assert summary["rest"].endswith("mesh {'dp': 2, 'pp': 2, 'sharding': 1, 'mp': 2}")
@@ -103,6 +104,7 @@ def resnet_run(tmp_path_factory):
     return (*run("train_resnet.py", *args), logdir)
 
 
+@pytest.mark.slow
 def test_resnet_trains_with_the_seed_003_practice(resnet_run):
     summary, metrics, progress, _ = resnet_run
     assert "training: 100%" in progress
@@ -142,6 +144,7 @@ def event_scalars(logdir: pathlib.Path) -> dict[str, list[tuple[int, float]]]:
     return dict(found)
 
 
+@pytest.mark.slow
 def test_tensorboard_scalars_are_the_printed_metrics(resnet_run):
     pytest.importorskip("tensorboardX")
     _, metrics, _, logdir = resnet_run
@@ -262,6 +265,7 @@ def single_device():
     return run
 
 
+@pytest.mark.slow
 def test_sync_batch_norm_normalizes_with_the_whole_batchs_statistics(digits, single_device):
     loss, stats = one_step_batch_stats(True, digits)
     expected_loss, expected = single_device(digits)
@@ -272,6 +276,7 @@ def test_sync_batch_norm_normalizes_with_the_whole_batchs_statistics(digits, sin
     )
 
 
+@pytest.mark.slow
 def test_local_batch_norm_keeps_each_replicas_own_statistics(digits, single_device):
     loss, stats = one_step_batch_stats(False, digits)
     assert stats["stem"]["bn"]["mean"].shape == (8, 16)

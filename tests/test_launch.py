@@ -239,6 +239,7 @@ def _losses(output: str) -> dict[int, float]:
     return {int(s): float(v) for s, v in re.findall(r"^step (\d+): loss ([\d.]+)$", output, re.M)}
 
 
+@pytest.mark.slow  # two processes training: tests/test_multiprocess.py does it in the default run
 def test_two_processes_train_like_one(launcher, tmp_path):
     args = ["--steps", "12", "--log-every", "3", "--hidden", "64"]
     proc = launcher(

@@ -81,7 +81,16 @@ def test_notebook_sets_up_devices_before_importing_jax(path):
     assert not any(isinstance(node, ast.ImportFrom) for node in ast.walk(ast.parse(first)))
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+# Run in the default suite; the others (30-60 s each) with `-m slow`. Every notebook's stored
+# outputs are checked against its code in the default suite.
+QUICK_TO_RUN = ("01_quickstart", "05_migrating_from_paddle")
+
+
+@pytest.mark.parametrize(
+    "path",
+    [p if p.stem in QUICK_TO_RUN else pytest.param(p, marks=pytest.mark.slow) for p in NOTEBOOKS],
+    ids=lambda p: p.stem,
+)
 def test_notebook_runs(path):
     nb = nbformat.read(path, as_version=4)
     stored_digest = nb.metadata.get(RUN, {}).get("code_sha256")

@@ -203,8 +203,12 @@ def stage_order(params: Any, plan: Plan, model: Loss, mesh: Mesh) -> Any:
     check_pipeline_layers(params, mesh.shape["pp"], vpp)
     if vpp < 2:
         return params
-    layers = to_pipeline_order(params.layers, mesh.shape["pp"], vpp)
-    return params._replace(layers=layers)
+    pp = mesh.shape["pp"]
+
+    def reorder(x: Any) -> Any:  # an abstract layer keeps its shape (nothing runs)
+        return x if isinstance(x, jax.ShapeDtypeStruct) else to_pipeline_order(x, pp, vpp)
+
+    return params._replace(layers=jax.tree.map(reorder, params.layers))
 
 
 def _pipelined(

@@ -1,0 +1,171 @@
+"""Lowering never executes: every strategy family compiles for 8 H100s that are not there
+(`fleetjax.targets`), from `jax.ShapeDtypeStruct` parameters and batches alone.
+
+Each case makes the step with `make_train_step` on a mesh of compile-only devices, builds the
+state with `abstract_init`, lowers and compiles it with XLA:GPU; an eager computation anywhere
+on the way would fail on those devices. The compiled module must show the strategy (its
+collectives) and XLA:GPU must have made every collective asynchronous (a ``-start`` form)."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import fleetjax
+from fleetjax import PipelineLayer, PipelineParams, hlo, targets
+
+pytestmark = pytest.mark.skipif(
+    not targets.plugin_installed(),
+    reason="jax's CUDA plugin is not installed: pip install 'fleetjax[aot]'",
+)
+
+WIDTH, UP, LAYERS, ROWS = 256, 1024, 4, 64
+
+
+def embed(p, batch):
+    return batch["x"] @ p["w"]
+
+
+def block(p, h):
+    hidden = fleetjax.checkpoint_name(jax.nn.gelu(h @ p["up"]), "hidden")
+    return h + hidden @ p["down"]
+
+
+def head_loss(p, h, batch):
+    return jnp.mean((h @ p["w"] - batch["y"]) ** 2)
+
+
+def model(vpp=1):
+    """A Megatron-style MLP stack: the plain loss scans the layers, a pipeline cuts them."""
+    return PipelineLayer(
+        embed, fleetjax.recompute(block), head_loss, num_virtual_pipeline_stages=vpp
+    )
+
+
+def shapes(*shape):
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+PARAMS = PipelineParams(
+    embed={"w": shapes(WIDTH, WIDTH)},
+    layers={"up": shapes(LAYERS, WIDTH, UP), "down": shapes(LAYERS, UP, WIDTH)},
+    head={"w": shapes(WIDTH, WIDTH)},
+)
+SPECS = PipelineParams(  # the MLP's hidden units split over mp (column, then row parallel)
+    embed={"w": P()},
+    layers={"up": P(None, None, "mp"), "down": P(None, "mp", None)},
+    head={"w": P()},
+)
+BATCH = {"x": shapes(ROWS, WIDTH), "y": shapes(ROWS, WIDTH)}
+DS = fleetjax.DistributedStrategy
+
+
+def zero(stage, **configs):
+    return DS(
+        sharding=True,
+        sharding_configs={"stage": stage, "sharding_degree": 8, **configs},
+        hybrid_configs={"sharding_degree": 8},
+    )
+
+
+def pipeline(mode):
+    s = DS(pipeline=True, hybrid_configs={"dp_degree": 2, "pp_degree": 2, "mp_degree": 2})
+    s.pipeline_configs = {"schedule_mode": mode, "micro_batch_size": 4, "accumulate_steps": 8}
+    return s
+
+
+def amp(dtype, pure=False):
+    s = DS(amp=True)
+    s.amp_configs = {"dtype": dtype}
+    if pure:  # O2, every operation of the model in half precision
+        key = "use_pure_bf16" if dtype == "bfloat16" else "use_pure_fp16"
+        s.amp_configs = {"dtype": dtype, key: True, "use_fp16_guard": False}
+    return s
+
+
+def recompute(**configs):
+    s = DS(recompute=True)
+    s.recompute_configs = configs or {"policy": "nothing_saveable"}
+    return s
+
+
+def merge(mode):
+    return DS(gradient_merge=True, gradient_merge_configs={"k_steps": 2, "mode": mode})
+
+
+# XLA:GPU takes 25 s (DGC's top-k) and 60 s (the hierarchical rings' 53 permutes) to compile
+# these on this project's busy 2-core machine; the others take 2 to 8 s.
+SLOW_COMPILE = pytest.mark.slow
+
+
+def case(name, strategy, collectives, hosts=1, state_bytes=None, marks=()):
+    """A strategy, the collectives its compiled step must have, the hosts the 8 GPUs are on,
+    and the train state's bytes per device by formula, where the test checks them."""
+    return pytest.param(strategy, collectives, hosts, state_bytes, id=name, marks=marks)
+
+
+# ZeRO's formulas for P parameter bytes (fp32) with Adam's two moments on N = 8 devices:
+# stages 1 and 2 hold P + 2P/N per device, stage 3 3P/N.
+P_BYTES = sum(x.size * 4 for x in jax.tree.leaves(PARAMS))
+
+
+CASES = [
+    case("dp", DS(), {"all-reduce"}),
+    case("zero1", zero(1), {"all-gather", "all-reduce"}, state_bytes=P_BYTES * (1 + 2 / 8)),
+    case("zero2", zero(2), {"all-gather", "reduce-scatter"}, state_bytes=P_BYTES * (1 + 2 / 8)),
+    case("zero3", zero(3), {"all-gather", "reduce-scatter"}, state_bytes=P_BYTES * 3 / 8),
+    case("zero2_offload", zero(2, optimize_offload=True), {"all-gather", "reduce-scatter"}),
+    case("mp", DS(tensor_parallel=True, hybrid_configs={"mp_degree": 8}), {"all-reduce"}),
+    case("dp_pp_mp_1f1b", pipeline("1F1B"), {"all-reduce", "collective-permute"}),
+    case("dp_pp_mp_vpp", pipeline("VPP"), {"all-reduce", "collective-permute"}),
+    case("amp_o1_bf16", amp("bfloat16"), {"all-reduce"}),
+    case("amp_o2_bf16", amp("bfloat16", pure=True), {"all-reduce"}),
+    case("amp_o1_fp16", amp("float16"), {"all-reduce"}),
+    case("amp_o2_fp16", amp("float16", pure=True), {"all-reduce"}),
+    case("recompute", recompute(), {"all-reduce"}),
+    case(
+        "recompute_offload",
+        recompute(checkpoints=["hidden"], enable_offload=True, checkpoint_shape=[ROWS, UP]),
+        {"all-reduce"},
+    ),
+    case("merge_in_step", merge("in_step"), {"all-reduce"}),
+    case("merge_across_calls", merge("across_calls"), {"all-reduce"}),
+    case("dgc", DS(dgc=True), {"all-gather", "all-reduce"}, marks=SLOW_COMPILE),
+    case("localsgd", DS(localsgd=True, localsgd_configs={"k_steps": 2}), {"all-reduce"}),
+    case(
+        "hierarchical_allreduce",
+        DS(use_hierarchical_allreduce=True),
+        {"all-reduce", "collective-permute"},
+        hosts=2,
+        marks=SLOW_COMPILE,
+    ),
+]
+
+
+def compile_for_h100s(strategy, hosts=1):
+    """The step for 8 compile-only H100s on `hosts` hosts, compiled from shapes alone."""
+    degrees = fleetjax.read_plan(strategy).degrees
+    mesh = targets.mesh(
+        "h100", 8, per_host=8 // hosts, **{a: getattr(degrees, a) for a in ("sharding", "pp", "mp")}
+    )
+    vpp = 2 if strategy.pipeline and strategy.pipeline_configs["schedule_mode"] == "VPP" else 1
+    # DGC rebuilds Paddle's Momentum; the others train with Adam.
+    optimizer = fleetjax.optimizers.momentum(0.1) if strategy.dgc else optax.adam(1e-3)
+    step = fleetjax.make_train_step(model(vpp), optimizer, strategy, mesh, param_specs=SPECS)
+    state = step.abstract_init(PARAMS)
+    return step, step.lower(state, BATCH).compile()
+
+
+@pytest.mark.parametrize("strategy, expected, hosts, state_bytes", CASES)
+def test_every_strategy_family_compiles_for_8_h100s(strategy, expected, hosts, state_bytes):
+    step, compiled = compile_for_h100s(strategy, hosts)
+    assert targets.of(step.mesh.devices.flat[0]) is targets.get("h100")
+    found = hlo.collectives(compiled.as_text())
+    assert expected <= {c.op for c in found}
+    # XLA:GPU overlaps every collective with computation: none is synchronous.
+    assert [c for c in found if not c.asynchronous] == []
+    if state_bytes is not None:  # within 5% of the formula, with the device's batch rows
+        batch_bytes = sum(x.size * 4 for x in jax.tree.leaves(BATCH)) / 8
+        arguments = compiled.memory_analysis().argument_size_in_bytes
+        assert arguments == pytest.approx(state_bytes + batch_bytes, rel=0.05)

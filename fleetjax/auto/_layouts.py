@@ -4,9 +4,12 @@ First the layouts: every factorisation of the device count into ``dp x sharding 
 that splits the batch, with ZeRO stages 1, 2 and 3 when ``sharding > 1``; ``mp > 1`` only when
 some parameter is split over ``mp`` (its `PartitionSpec`); ``pp > 1`` only when the loss is a
 `PipelineLayer` whose layers divide into ``pp`` stages, with ``pp`` micro-batches
-(``accumulate_steps``) and with one row each (less bubble). Then memory savers on a layout:
-recompute (`recompute_configs`, by default the policy ``nothing_saveable`` on the layers marked
-with `fleetjax.recompute`) and in-step gradient merge into 2, 4 or 8 micro-batches.
+(``accumulate_steps``) and with one row each (less bubble), and where the layers divide into
+``2 pp`` chunks also interleaved over 2 virtual stages (VPP). Then memory savers: on a ZeRO
+layout whose train state does not fit, the optimizer state offloaded to pinned host memory
+(``optimize_offload``); on a layout whose state fits but whose step does not, recompute
+(`recompute_configs`, by default the policy ``nothing_saveable`` on the layers marked with
+`fleetjax.recompute`) and in-step gradient merge into 2, 4 or 8 micro-batches.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ class Layout:
       recompute: whether the layers marked with `fleetjax.recompute` are recomputed.
       micro_batches: in-step gradient merge's `k_steps`, or with `pp > 1` the pipeline's
         `accumulate_steps`.
+      vpp: virtual pipeline stages per device (2 or more: the interleaved VPP schedule).
+      offload: whether ZeRO keeps the optimizer state in pinned host memory
+        (`sharding_configs["optimize_offload"]`).
     """
 
     dp: int
@@ -43,8 +49,10 @@ class Layout:
     pp: int = 1
     recompute: bool = False
     micro_batches: int = 1
+    vpp: int = 1
+    offload: bool = False
 
-    KEYS = ("dp", "sharding", "stage", "mp", "pp", "recompute", "micro_batches")
+    KEYS = ("dp", "sharding", "stage", "mp", "pp", "recompute", "micro_batches", "vpp", "offload")
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -64,26 +72,27 @@ class Layout:
     @property
     def placement(self) -> tuple[int, ...]:
         """What decides where the train state lives (and so its bytes per device)."""
-        return self.dp, self.sharding, self.stage, self.mp, self.pp
+        return self.dp, self.sharding, self.stage, self.mp, self.pp, self.offload
 
     def order(self) -> tuple[int, ...]:
         """Simplicity: pure data parallelism first, then ZeRO, tensor, pipeline parallel."""
-        zero = (self.sharding > 1, self.stage, self.sharding)
-        return (self.pp, self.mp, *zero, self.recompute, self.micro_batches)
+        zero = (self.sharding > 1, self.stage, self.sharding, self.offload)
+        return (self.pp, self.mp, *zero, self.vpp, self.recompute, self.micro_batches)
 
     def dominates(self, other: Layout) -> bool:
         """Whether `other` takes at least as long, so that once `self` fits `other` is skipped:
         ZeRO takes as long as pure data parallelism over the same devices or longer, and more
-        memory savers as long as fewer or longer."""
-        same_devices = (self.pp, self.mp, self.replicas) == (other.pp, other.mp, other.replicas)
-        if self == other or not same_devices:
+        memory savers (offload among them) as long as fewer or longer."""
+        split_alike = (self.pp, self.mp, self.replicas, self.vpp)
+        if self == other or split_alike != (other.pp, other.mp, other.replicas, other.vpp):
             return False
         zero = self.sharding == 1 or (self.sharding, self.stage) == (other.sharding, other.stage)
         if self.pp > 1:  # a pipeline's micro-batches trade bubble for latency: not ordered
             micro = self.micro_batches == other.micro_batches
         else:
             micro = self.micro_batches <= other.micro_batches
-        return zero and micro and self.recompute <= other.recompute
+        savers = self.recompute <= other.recompute and self.offload <= other.offload
+        return zero and micro and savers
 
     def strategy(self, base: DistributedStrategy, rows: int) -> DistributedStrategy:
         """`base` (a copy, with `auto` off) set to this layout, for a global batch of `rows`."""
@@ -97,7 +106,11 @@ class Layout:
         }
         if self.sharding > 1:
             s.sharding = True
-            s.sharding_configs = {"sharding_degree": self.sharding, "stage": self.stage}
+            s.sharding_configs = {
+                "sharding_degree": self.sharding,
+                "stage": self.stage,
+                "optimize_offload": self.offload,
+            }
         if self.recompute:
             s.recompute = True
             if not (s.recompute_configs["checkpoints"] or s.recompute_configs["policy"]):
@@ -108,6 +121,7 @@ class Layout:
             s.pipeline_configs = {
                 "accumulate_steps": self.micro_batches,
                 "micro_batch_size": per_replica // self.micro_batches,
+                **({"schedule_mode": "VPP"} if self.vpp > 1 else {}),
             }
         elif self.micro_batches > 1:
             s.gradient_merge = True
@@ -117,6 +131,13 @@ class Layout:
                 "mode": "in_step",
             }
         return s
+
+    def loss(self, loss_fn: Any) -> Any:
+        """`loss_fn` as this layout trains it: a `PipelineLayer` cut into `vpp` virtual stages
+        per device under VPP."""
+        if self.vpp == 1:
+            return loss_fn
+        return dataclasses.replace(loss_fn, num_virtual_pipeline_stages=self.vpp)
 
     @classmethod
     def of(cls, step: TrainStep) -> Layout:
@@ -132,6 +153,10 @@ class Layout:
             pp=shape["pp"],
             recompute=p.recompute is not None,
             micro_batches=micro,
+            vpp=max(1, p.pipeline.vpp_degree, step.loss_fn.num_virtual_pipeline_stages)
+            if p.pipeline
+            else 1,
+            offload=p.optimizer_offload,
         )
 
     @classmethod
@@ -169,6 +194,10 @@ class Layout:
         if self.sharding > 1:
             parts.append(f"sharding={self.sharding} (stage {self.stage})")
         parts += [f"{a}={getattr(self, a)}" for a in ("mp", "pp") if getattr(self, a) > 1]
+        if self.vpp > 1:
+            parts.append(f"vpp={self.vpp}")
+        if self.offload:
+            parts.append("offload")
         if self.recompute:
             parts.append("recompute")
         if self.micro_batches > 1:
@@ -186,13 +215,17 @@ def all_layouts(
     fixed: Mapping[str, int],
     mp_ok: bool,
     pipeline_layers: int | None,
+    per_host: int | None = None,
 ) -> list[Layout]:
     """Every layout without memory savers that splits `rows`, simplest first. A pipeline
-    gets as many micro-batches as stages, and (less bubble) one per row of its replica."""
+    gets as many micro-batches as stages, and (less bubble) one per row of its replica, each
+    also under VPP where the layers split into 2 chunks per stage. `mp` stays within a host of
+    `per_host` devices (its all-reduces, two per layer, would otherwise cross the network)."""
     found = []
     pps = [1] + [p for p in _divisors(devices)[1:] if pipeline_layers and pipeline_layers % p == 0]
     for pp in pps:
-        for mp in _divisors(devices // pp) if mp_ok else [1]:
+        mps = [m for m in _divisors(devices // pp) if m <= (per_host or devices)]
+        for mp in mps if mp_ok else [1]:
             for sharding in _divisors(devices // (pp * mp)):
                 dp = devices // (pp * mp * sharding)
                 degrees = {"dp": dp, "sharding": sharding, "mp": mp, "pp": pp}
@@ -203,15 +236,36 @@ def all_layouts(
                     or per_replica % pp
                 ):
                     continue
-                micro = sorted({pp, per_replica}) if pp > 1 else [1]
-                for stage in (1, 2, 3) if sharding > 1 else (0,):
-                    found += [Layout(dp, sharding, stage, mp, pp, False, m) for m in micro]
+                found += _variants(Layout(dp, sharding, 0, mp, pp), per_replica, pipeline_layers)
     return sorted(found, key=Layout.order)
 
 
+def _variants(layout: Layout, per_replica: int, pipeline_layers: int | None) -> list[Layout]:
+    """`layout` with each ZeRO stage over `sharding`, and a pipeline's micro-batches and
+    virtual stages."""
+    stages = (1, 2, 3) if layout.sharding > 1 else (0,)
+    pipe = [(1, 1)]
+    if layout.pp > 1:
+        vpps = [1, 2] if pipeline_layers % (2 * layout.pp) == 0 else [1]
+        pipe = [(m, v) for m in sorted({layout.pp, per_replica}) for v in vpps]
+    return [
+        dataclasses.replace(layout, stage=stage, micro_batches=m, vpp=v)
+        for stage in stages
+        for m, v in pipe
+    ]
+
+
 def split(layout: Layout) -> tuple[int, ...]:
-    """What decides a layout's activations: rows per device, mp, pp, and the savers."""
-    return layout.replicas, layout.mp, layout.pp, layout.recompute, layout.micro_batches
+    """What decides a layout's activations: rows per device, mp, pp (and its virtual stages),
+    and the savers."""
+    return (
+        layout.replicas,
+        layout.mp,
+        layout.pp,
+        layout.vpp,
+        layout.recompute,
+        layout.micro_batches,
+    )
 
 
 def savers(layout: Layout, rows: int) -> list[Layout]:

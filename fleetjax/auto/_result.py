@@ -12,6 +12,7 @@ import optax
 
 from fleetjax.auto._cost import DeviceSpec, HloCost, bytes_text
 from fleetjax.auto._layouts import Layout
+from fleetjax.plan import mesh_for, read_plan
 from fleetjax.step import TrainStep, make_train_step
 from fleetjax.strategy import DistributedStrategy
 
@@ -29,7 +30,9 @@ class Candidate:
       strategy: the strategy that trains it.
       status: "fits", "over budget", "skipped" (not compiled: see `note`) or "cannot apply".
       note: why it was skipped, did not fit or could not apply.
-      state_bytes: the train state's bytes on each device (known once lowered).
+      state_bytes: the train state's bytes on each device (from its placement).
+      formula_bytes: what the device must hold at once by formula: its train state and
+        gradients (see `fleetjax.auto._memory`).
       device_bytes: compiled: arguments + outputs - aliased outputs + temporaries.
       memory: `compiled.memory_analysis()`.
       xla_flops, xla_bytes_accessed: `compiled.cost_analysis()` (loop bodies counted once).
@@ -43,6 +46,7 @@ class Candidate:
     status: str
     note: str = ""
     state_bytes: int | None = None
+    formula_bytes: int | None = None
     device_bytes: int | None = None
     memory: Any = None
     xla_flops: float | None = None
@@ -74,6 +78,7 @@ class SearchResult:
       memory_budget: the per-device budget in bytes, and `budget_source` where it came from.
       device: the cost model's constants.
       reason: why the chosen candidate won.
+      devices: the devices laid out.
     """
 
     strategy: DistributedStrategy
@@ -88,18 +93,27 @@ class SearchResult:
     optimizer: optax.GradientTransformation = dataclasses.field(repr=False)
     param_specs: Any = dataclasses.field(repr=False)
     step_options: Mapping[str, bool] = dataclasses.field(repr=False)
+    devices: tuple[jax.Device, ...] = dataclasses.field(repr=False, default=())
 
     @property
     def degrees(self) -> dict[str, int]:
         """The chosen mesh degrees: {"dp", "sharding", "pp", "mp"}."""
         return self.chosen.layout.degrees
 
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        """The chosen layout's mesh over the devices laid out."""
+        return mesh_for(read_plan(self.strategy), self.devices or None)
+
     def make_train_step(self) -> TrainStep:
-        """`fleetjax.make_train_step` for the searched loss and optimizer under `strategy`."""
+        """`fleetjax.make_train_step` for the searched loss (cut into the chosen virtual
+        pipeline stages) and optimizer under `strategy`, on `mesh`."""
+        layout = self.chosen.layout
         return make_train_step(
-            self.loss_fn,
+            layout.loss(self.loss_fn) if layout is not None else self.loss_fn,
             self.optimizer,
             self.strategy,
+            self.mesh,
             param_specs=self.param_specs,
             **self.step_options,
         )
@@ -107,14 +121,29 @@ class SearchResult:
     def __str__(self) -> str:
         return "\n".join(
             [
-                f"auto search on {jax.device_count()} devices, cost model for {self.device.name} "
-                f"(peak {self.device.peak_flops:.3g} flop/s, link "
-                f"{self.device.link_bandwidth:.3g} B/s, latency {self.device.latency:.3g} s)",
+                f"auto search on {len(self.devices)} devices, cost model for "
+                f"{self.device.name} ({_constants(self.device)})",
                 f"memory budget {bytes_text(self.memory_budget)} per device ({self.budget_source})",
                 table(self.candidates, self.chosen),
                 f"chosen: #{self.chosen.index} {self.chosen.layout}: {self.reason}",
             ]
         )
+
+
+def _constants(device: DeviceSpec) -> str:
+    parts = [
+        f"peak {device.peak_flops:.3g} flop/s",
+        f"link {device.link_bandwidth:.3g} B/s",
+        f"latency {device.latency:.3g} s",
+    ]
+    for label, value in (
+        ("network", device.network_bandwidth),
+        ("HBM", device.hbm_bandwidth),
+        ("host", device.host_bandwidth),
+    ):
+        if value is not None:
+            parts.append(f"{label} {value:.3g} B/s")
+    return ", ".join(parts)
 
 
 def name(c: Candidate) -> str:
@@ -127,8 +156,8 @@ def table(candidates: Sequence[Candidate], chosen: Candidate | None) -> str:
     for c in candidates:
         if c.device_bytes is not None:
             size = bytes_text(c.device_bytes)
-        elif c.state_bytes is not None:
-            size = f">= {bytes_text(c.state_bytes)}"
+        elif c.formula_bytes is not None:
+            size = f">= {bytes_text(c.formula_bytes)}"
         else:
             size = "-"
         # The note's first clause (errors go on to say how to fix them: see `Candidate.note`).

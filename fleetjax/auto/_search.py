@@ -35,8 +35,17 @@ import jax
 import numpy as np
 import optax
 
-from fleetjax.auto._cost import DeviceSpec, bytes_text, default_memory_budget, device_spec, hlo_cost
+from fleetjax.auto._cost import (
+    DeviceSpec,
+    bytes_text,
+    default_memory_budget,
+    device_spec,
+    model_flops,
+    network_share,
+    step_cost,
+)
 from fleetjax.auto._layouts import Layout, all_layouts, savers, split, uses_mp
+from fleetjax.auto._memory import Formula, compiled_bytes, formula
 from fleetjax.auto._result import (
     CANNOT_APPLY,
     FITS,
@@ -49,8 +58,8 @@ from fleetjax.auto._result import (
 )
 from fleetjax.distributed_optimizer import DistributedOptimizer
 from fleetjax.layers import partition_specs
-from fleetjax.plan import read_plan
-from fleetjax.step import make_train_step
+from fleetjax.plan import mesh_for, read_plan
+from fleetjax.step import TrainStep, make_train_step
 from fleetjax.strategy import DistributedStrategy
 from fleetjax.transforms.pipeline import PipelineLayer, PipelineParams
 
@@ -58,22 +67,6 @@ from fleetjax.transforms.pipeline import PipelineLayer, PipelineParams
 # split, not on ZeRO: what they saved on one layout predicts what they save on another with the
 # same split. A layout over the budget by more than this times that is not tried with them.
 SAVING_MARGIN = 1.25
-
-
-def _state_bytes(state: Any, shardings: Any) -> int:
-    """Device bytes one device holds of the abstract `state` placed by `shardings` (a prefix
-    tree: one sharding may place a whole subtree, as the loss-scale state's); an offloaded
-    optimizer state lives in host memory."""
-
-    def placed(sharding: jax.sharding.Sharding, subtree: Any) -> int:
-        if sharding.memory_kind == "pinned_host":
-            return 0
-        return sum(
-            math.prod(sharding.shard_shape(x.shape)) * x.dtype.itemsize
-            for x in jax.tree.leaves(subtree)
-        )
-
-    return sum(jax.tree.leaves(jax.tree.map(placed, shardings, state)))
 
 
 def _rows(batch: Any) -> int:
@@ -103,13 +96,20 @@ class _Planner:
     param_specs: Any
     step_options: Mapping[str, bool]
     rows: int
+    devices: Sequence[jax.Device]
     done: list[Candidate] = dataclasses.field(default_factory=list)
-    flops: float = 0.0  # pure data parallelism's matmul flops, once compiled
 
     @functools.cached_property
     def param_bytes(self) -> int:
         shapes = jax.eval_shape(lambda p: p, self.params)
         return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+    @functools.cached_property
+    def flops(self) -> float:
+        """The model's matmul flops per device split evenly over all devices (traced)."""
+        key = (jax.eval_shape(lambda: jax.random.key(0)),) if self.step_options["has_rng"] else ()
+        grad = jax.value_and_grad(self.loss_fn, has_aux=self.step_options["has_aux"])
+        return model_flops(grad, self.params, self.batch, *key) / len(self.devices)
 
     def add(self, layout: Layout | None, strategy: Any, status: str, **kw: Any) -> Candidate:
         candidate = Candidate(len(self.done) + 1, layout, strategy, status, **kw)
@@ -124,48 +124,91 @@ class _Planner:
         floor: Candidate | None = None,
     ) -> Candidate:
         """Lower `strategy`'s step for the abstract state and the batch, and compile it unless
-        its train state alone is over the budget (or `always_compile`). Its estimated compute
-        and communication are at least `floor`'s (its layout without memory savers)."""
+        its memory formula is over the budget (or `always_compile`). Its estimated compute and
+        communication are at least `floor`'s (its layout without memory savers)."""
         try:
-            step = make_train_step(
-                self.loss_fn,
-                self.optimizer,
-                strategy,
-                param_specs=self.param_specs,
-                **self.step_options,
-            )
+            step = self.step(strategy, layout)
             layout = layout or Layout.of(step)
             state = step.abstract_init(self.params)
+            bytes_by_formula = formula(step)
+            note = "" if always_compile else self.over_by_formula(layout, bytes_by_formula)
+            if note:
+                return self.add(
+                    layout,
+                    strategy,
+                    OVER_BUDGET,
+                    note=note,
+                    state_bytes=bytes_by_formula.state,
+                    formula_bytes=bytes_by_formula.floor,
+                )
             lowered = step.lower(state, self.batch)
         except (ValueError, TypeError, NotImplementedError) as e:
             return self.add(layout, strategy, CANNOT_APPLY, note=str(e))
-        state_bytes = _state_bytes(state, step.placement.state)
-        if state_bytes > self.budget and not always_compile:
-            note = f"its train state alone is {bytes_text(state_bytes)}"
-            return self.add(layout, strategy, OVER_BUDGET, note=note, state_bytes=state_bytes)
-        compiled = lowered.compile()
+        return self.compiled(step, strategy, layout, lowered.compile(), bytes_by_formula, floor)
+
+    def over_by_formula(self, layout: Layout, bytes_by_formula: Formula) -> str:
+        """Why `layout` cannot fit by its memory formula ("" if it may): its state and gradients
+        alone, or with the activations of a compiled layout that splits them alike (what it
+        holds beyond its own formula; a prediction, with `SAVING_MARGIN`)."""
+        floor = bytes_by_formula.floor
+        if floor > self.budget:
+            return f"its state and gradients alone are {bytes_text(floor)} (formula)"
+        for c in self.done:
+            if c.device_bytes is None or c.layout is None or split(c.layout) != split(layout):
+                continue
+            rest = c.device_bytes - c.formula_bytes
+            if floor + rest > SAVING_MARGIN * self.budget:
+                return (
+                    f"predicted: its state and gradients ({bytes_text(floor)}) and the "
+                    f"{bytes_text(rest)} #{c.index} holds beyond them with the same split"
+                )
+        return ""
+
+    def step(self, strategy: DistributedStrategy, layout: Layout | None) -> TrainStep:
+        """The train step of `strategy` over the devices searched."""
+        mesh = mesh_for(read_plan(strategy), self.devices)
+        loss_fn = layout.loss(self.loss_fn) if layout is not None else self.loss_fn
+        options = {"param_specs": self.param_specs, **self.step_options}
+        return make_train_step(loss_fn, self.optimizer, strategy, mesh, **options)
+
+    def compiled(
+        self,
+        step: TrainStep,
+        strategy: DistributedStrategy,
+        layout: Layout,
+        compiled: jax.stages.Compiled,
+        bytes_by_formula: Formula,
+        floor: Candidate | None,
+    ) -> Candidate:
+        """The candidate of a compiled step: its bytes against the budget, its estimate."""
         memory = compiled.memory_analysis()
-        device_bytes = (
-            memory.argument_size_in_bytes
-            + memory.output_size_in_bytes
-            - memory.alias_size_in_bytes
-            + memory.temp_size_in_bytes
-        )
-        xla = compiled.cost_analysis()  # a dict; a list of one dict in older JAX
+        on_device, note = compiled_bytes(memory), ""
+        if bytes_by_formula.host and not memory.host_argument_size_in_bytes:
+            # Compile-only devices have no host memory: XLA kept the offloaded state on device.
+            on_device -= bytes_by_formula.host
+            note = "offloaded state from the formula"
+        xla = compiled.cost_analysis() or {}  # None for compile-only GPUs
         xla = xla[0] if isinstance(xla, (list, tuple)) else xla
-        cost = hlo_cost(compiled.as_text(), self.device, jax.device_count())
+        cost = step_cost(compiled, self.device, step.mesh)
+        cost = cost._replace(host_bytes=2.0 * bytes_by_formula.host)  # fetched and written back
         compute, communication = cost.seconds(self.device)
+        # No layout computes less than an even split of the model's matmuls (XLA may rewrite a
+        # one-row matmul into a reduction, which the matmul count misses).
+        compute = max(compute, self.flops / self.device.peak_flops)
         if floor is not None and floor.time_s is not None:
             compute = max(compute, floor.compute_s)
             communication = max(communication, floor.communication_s)
-        fits = device_bytes <= self.budget
+        fits = on_device <= self.budget
+        if not fits:
+            note = "; ".join(filter(None, [f"over by {bytes_text(on_device - self.budget)}", note]))
         return self.add(
             layout,
             strategy,
             FITS if fits else OVER_BUDGET,
-            note="" if fits else f"over by {bytes_text(device_bytes - self.budget)}",
-            state_bytes=state_bytes,
-            device_bytes=device_bytes,
+            note=note,
+            state_bytes=bytes_by_formula.state,
+            formula_bytes=bytes_by_formula.floor,
+            device_bytes=on_device,
             memory=memory,
             xla_flops=xla.get("flops"),
             xla_bytes_accessed=xla.get("bytes accessed"),
@@ -180,19 +223,22 @@ class _Planner:
         return min(fitting, key=lambda c: (c.time_s, c.layout.order()), default=None)
 
     def search(self, layouts: list[Layout]) -> None:
-        """Consider `layouts` in order; then memory savers on top of those whose train state
-        fits but whose step does not, fastest first; pruning as the module docstring says."""
-        # Pure data parallelism is always compiled: its matmul flops bound every layout's.
-        baseline, self.flops = Layout(jax.device_count()), 0.0
+        """Consider `layouts` in order; then offload on the ZeRO layouts over the budget; then
+        memory savers on top of those whose train state fits but whose step does not, fastest
+        first; pruning as the module docstring says."""
+        # Pure data parallelism is always compiled, the baseline of the report.
+        baseline = Layout(len(self.devices))
         for layout in layouts:
-            c = self.consider(layout, always_compile=layout == baseline)
-            if layout == baseline and c.cost is not None:
-                self.flops = c.cost.matmul_flops
+            self.consider(layout, always_compile=layout == baseline)
+        # ZeRO layouts over the budget try the optimizer state in pinned host memory.
+        for c in list(self.done):
+            if c.status == OVER_BUDGET and c.layout.sharding > 1 and not c.layout.offload:
+                self.consider(dataclasses.replace(c.layout, offload=True))
         # Savers only add work: a layout estimated no faster than the best candidate needs none.
         short = [
             c
             for c in self.done
-            if c.status == OVER_BUDGET and c.time_s is not None and c.state_bytes <= self.budget
+            if c.status == OVER_BUDGET and c.time_s is not None and c.formula_bytes <= self.budget
         ]
         for base in sorted(short, key=lambda c: (c.time_s, c.layout.order())):
             best = self.best()
@@ -220,8 +266,8 @@ class _Planner:
                     return f"recompute cannot apply (#{c.index})"
             if c.layout.placement != layout.placement:
                 continue
-            if c.state_bytes is not None and c.state_bytes > self.budget:
-                return f"its train state is #{c.index}'s, {bytes_text(c.state_bytes)}"
+            if c.formula_bytes is not None and c.formula_bytes > self.budget:
+                return f"its state and gradients are #{c.index}'s, {bytes_text(c.formula_bytes)}"
             if c.layout == layout.base and c.time_s is not None:
                 bound = max(bound, c.time_s)  # savers only add work to their layout
         if reason := self.predicted_over(layout):
@@ -269,12 +315,25 @@ class _Planner:
         if n == 1:
             return compute
         grads = 2 * (n - 1) / n * self.param_bytes / (layout.mp * layout.pp)
-        return compute + self.device.latency + grads / self.device.link_bandwidth
+        share = self.network_share(layout)
+        network = self.device.network_bandwidth or self.device.link_bandwidth
+        wire = grads * (1 - share) / self.device.link_bandwidth + grads * share / network
+        return compute + self.device.latency + wire
+
+    def network_share(self, layout: Layout) -> float:
+        """The share of a gradient reduction over `layout`'s replicas that crosses the network
+        (`fleetjax.auto._cost.network_share` of the data axes' group of the first device)."""
+        mesh = mesh_for(read_plan(layout.strategy(self.base, self.rows)), self.devices)
+        index = tuple(slice(None) if a in ("dp", "sharding") else 0 for a in mesh.axis_names)
+        group = mesh.devices[index].flatten()
+        hosts = [d.process_index for d in mesh.devices.flat]
+        position = {d: i for i, d in enumerate(mesh.devices.flat)}
+        return network_share([[position[d] for d in group]], hosts)
 
 
-def _reason(chosen: Candidate, candidates: Sequence[Candidate]) -> str:
+def _reason(chosen: Candidate, candidates: Sequence[Candidate], devices: int) -> str:
     fitting = [c for c in candidates if c.fits]
-    pure = next((c for c in candidates if c.layout == Layout(jax.device_count())), None)
+    pure = next((c for c in candidates if c.layout == Layout(devices)), None)
     time = f"{chosen.time_s * 1e3:.3g} ms"
     if chosen is pure:
         return (
@@ -294,9 +353,9 @@ def _reason(chosen: Candidate, candidates: Sequence[Candidate]) -> str:
     return f"{why}; pure data parallelism needs {needs} per device, over the budget"
 
 
-def _budget(memory_budget: float | None) -> tuple[int, str]:
+def _budget(memory_budget: float | None, device: jax.Device) -> tuple[int, str]:
     if memory_budget is None:
-        return default_memory_budget()
+        return default_memory_budget(device)
     if (
         isinstance(memory_budget, bool)
         or not isinstance(memory_budget, numbers.Real)
@@ -319,6 +378,7 @@ def search(
     candidates: Sequence[DistributedStrategy | Mapping[str, Any]] | None = None,
     param_specs: Any = None,
     device: DeviceSpec | None = None,
+    devices: Sequence[jax.Device] | None = None,
     has_aux: bool = False,
     has_rng: bool = False,
 ) -> SearchResult:
@@ -340,7 +400,10 @@ def search(
       candidates: strategies or degree dicts (keys of `Layout.KEYS`) to compile instead of
         the search; every one is compiled.
       param_specs: as for `make_train_step`; default from the parameters' logical names.
-      device: the cost model's constants; default `device_spec()`.
+      device: the cost model's constants; default `device_spec` of the first device (for a
+        GPU, its half-precision peak under AMP, else TF32's).
+      devices: the devices to lay out (default: all); compile-only GPUs of a target
+        (`fleetjax.targets.devices("h100", 1024)`) plan for a cluster that is not there.
       has_aux, has_rng: as for `make_train_step`.
 
     Returns:
@@ -364,8 +427,12 @@ def search(
         )
     base.auto = True
     base_plan = read_plan(base)  # Paddle's rule: no other parallel switch with auto
-    budget, source = _budget(memory_budget)
+    devices = list(devices) if devices is not None else jax.devices()
+    budget, source = _budget(memory_budget, devices[0])
     specs = param_specs if param_specs is not None else partition_specs(params)
+    if device is None:
+        device = device_spec(devices[0], half_precision=base_plan.amp is not None)
+    options = {"has_aux": has_aux, "has_rng": has_rng}
     planner = _Planner(
         loss_fn,
         optimizer,
@@ -373,10 +440,11 @@ def search(
         batch,
         base,
         budget,
-        device if device is not None else device_spec(),
+        device,
         param_specs,
-        {"has_aux": has_aux, "has_rng": has_rng},
+        options,
         _rows(batch),
+        devices,
     )
     if candidates is not None:
         _compile_given(planner, candidates)
@@ -394,11 +462,12 @@ def search(
         memory_budget=budget,
         budget_source=source,
         device=planner.device,
-        reason=_reason(chosen, done),
+        reason=_reason(chosen, done, len(devices)),
         loss_fn=loss_fn,
         optimizer=optimizer,
         param_specs=param_specs,
         step_options=planner.step_options,
+        devices=tuple(devices),
     )
 
 
@@ -410,7 +479,7 @@ def _compile_given(
         raise ValueError("candidates is empty; pass None to search, or some candidates")
     for given in candidates:
         if isinstance(given, Mapping):
-            layout = Layout.from_dict(given, jax.device_count())
+            layout = Layout.from_dict(given, len(planner.devices))
             strategy = layout.strategy(planner.base, planner.rows)
             planner.measure(strategy, layout, always_compile=True)
         elif isinstance(given, DistributedStrategy):
@@ -432,24 +501,28 @@ def _layouts_to_search(planner: _Planner, fixed: Mapping[str, int], mp_ok: bool)
                 f"layers, head), got {type(planner.params).__name__}"
             )
         layers = jax.tree.leaves(planner.params.layers)[0].shape[0]
-    found = all_layouts(jax.device_count(), planner.rows, fixed, mp_ok, layers)
+    devices = planner.devices
+    per_host = sum(d.process_index == devices[0].process_index for d in devices)
+    found = all_layouts(len(devices), planner.rows, fixed, mp_ok, layers, per_host)
     if not found:
         raise ValueError(
-            f"no layout of {jax.device_count()} devices has the fixed degrees {fixed} and "
+            f"no layout of {len(devices)} devices has the fixed degrees {fixed} and "
             f"splits the batch of {planner.rows} rows"
         )
     return found
 
 
 def _nothing_fits(candidates: Sequence[Candidate], budget: int) -> str:
-    sized = [c for c in candidates if c.device_bytes is not None or c.state_bytes is not None]
+    sized = [c for c in candidates if c.device_bytes is not None or c.formula_bytes is not None]
     if not sized:
         return "no candidate could apply:\n" + table(candidates, None)
-    smallest = min(sized, key=lambda c: c.state_bytes if c.device_bytes is None else c.device_bytes)
+    smallest = min(
+        sized, key=lambda c: c.formula_bytes if c.device_bytes is None else c.device_bytes
+    )
     needs = (
         bytes_text(smallest.device_bytes)
         if smallest.device_bytes is not None
-        else f"at least {bytes_text(smallest.state_bytes)} (its train state)"
+        else f"at least {bytes_text(smallest.formula_bytes)} (its state and gradients)"
     )
     return (
         f"no candidate fits the memory budget of {bytes_text(budget)} ({budget} bytes) per device: "

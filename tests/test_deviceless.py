@@ -6,6 +6,8 @@ state with `abstract_init`, lowers and compiles it with XLA:GPU; an eager comput
 on the way would fail on those devices. The compiled module must show the strategy (its
 collectives) and XLA:GPU must have made every collective asynchronous (a ``-start`` form)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -13,7 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import fleetjax
-from fleetjax import PipelineLayer, PipelineParams, hlo, targets
+from fleetjax import PipelineLayer, PipelineParams, auto, hlo, targets
 
 pytestmark = pytest.mark.skipif(
     not targets.plugin_installed(),
@@ -169,3 +171,107 @@ def test_every_strategy_family_compiles_for_8_h100s(strategy, expected, hosts, s
         batch_bytes = sum(x.size * 4 for x in jax.tree.leaves(BATCH)) / 8
         arguments = compiled.memory_analysis().argument_size_in_bytes
         assert arguments == pytest.approx(state_bytes + batch_bytes, rel=0.05)
+
+
+def explained(strategy, hosts=1):
+    step, _ = compile_for_h100s(strategy, hosts)
+    return fleetjax.explain(step, BATCH, show=False)
+
+
+def test_explain_on_h100s_gives_hbm_collectives_by_axis_and_an_estimate():
+    report = explained(zero(2))
+    gpu = report.gpu
+    assert gpu.target == "NVIDIA H100 SXM5 80 GB" and gpu.hbm_bytes == 84_942_979_072
+    # arguments + outputs - aliased (the donated state) + temporaries
+    assert report.arguments + report.temp <= gpu.peak_bytes
+    assert gpu.peak_bytes <= report.arguments + report.outputs + report.temp
+    assert gpu.verdict == f"fits, {gpu.peak_bytes / 2**30:.1f} of 79.1 GiB"
+    assert {c.op for c in report.collectives} >= {"all-gather", "reduce-scatter"}
+    assert all(c.axes == ("sharding",) and c.asynchronous for c in report.collectives)
+    t = gpu.time
+    assert t.network == 0 and t.links > 0 and t.compute > 0 and t.memory > 0
+    assert t.total == pytest.approx(max(t.compute, t.memory) + t.links + t.latency)
+    text = str(report)
+    assert "over sharding       async" in text
+    assert "estimated step time (a roofline model, not a measurement):" in text
+    html = report._repr_html_()
+    assert html.startswith("<table>") and "<td>reduce-scatter</td>" in html
+    over = dataclasses.replace(gpu, peak_bytes=gpu.hbm_bytes + int(4.2 * 2**30))
+    assert over.verdict == "over by 4.2 GiB"
+
+
+def test_explain_names_each_collectives_mesh_axis_and_the_network_across_hosts():
+    """dp 2 x pp 2 x mp 2 on 2 hosts of 4: mp's all-reduces and pp's permutes stay within a
+    host, dp's collectives cross to the other host."""
+    report = explained(pipeline("1F1B"), hosts=2)
+    by_op = {(c.op, c.axes) for c in report.collectives}
+    assert ("all-reduce", ("mp",)) in by_op and ("collective-permute", ("pp",)) in by_op
+    assert any(axes == ("dp",) for _, axes in by_op)
+    assert report.gpu.time.network > 0
+
+
+def test_explain_counts_an_offloaded_optimizer_state_as_host_memory():
+    """Compile-only devices have no host memory space, so XLA keeps the state on the device;
+    explain moves the optimizer state's shard (Adam: 2P/N) to pinned host memory."""
+    plain, offloaded = explained(zero(2)), explained(zero(2, optimize_offload=True))
+    moments = 2 * P_BYTES / 8
+    assert offloaded.gpu.host_bytes == pytest.approx(moments, rel=0.01)
+    assert plain.gpu.peak_bytes - offloaded.gpu.peak_bytes == pytest.approx(moments, rel=0.01)
+    assert "compile-only devices cannot show it" in str(offloaded)
+    assert offloaded.gpu.time.host == pytest.approx(2 * moments / 64e9, rel=0.01)
+
+
+def test_auto_ranks_given_layouts_for_16_h100s_with_the_targets_constants():
+    """Two hosts of 8 H100s, AMP in bfloat16: tensor parallelism within a host, a VPP pipeline,
+    ZeRO-2 with the optimizer state offloaded; each compiled from shapes, timed with the H100's
+    roofline constants (`fleetjax.targets`), its HBM against the H100's memory."""
+    found = auto.search(
+        model(),
+        optax.adam(1e-3),
+        PARAMS,
+        BATCH,
+        strategy=amp("bfloat16"),
+        param_specs=SPECS,
+        devices=targets.devices("h100", 16),
+        candidates=[
+            {"mp": 8},
+            {"mp": 4, "pp": 2, "micro_batches": 4, "vpp": 2},
+            {"sharding": 16, "stage": 2, "offload": True},
+        ],
+    )
+    h100 = targets.get("h100").spec
+    assert found.device == auto.DeviceSpec.of_target(targets.get("h100"))
+    assert (found.device.peak_flops, found.device.network_bandwidth) == (
+        h100.peak_bf16_flops,
+        h100.network_bandwidth,
+    )
+    assert found.memory_budget == h100.hbm_bytes
+    assert found.budget_source == "the memory of an NVIDIA H100 SXM5 80 GB"
+    tensor, piped, offloaded = found.candidates
+    assert all(c.fits and c.device_bytes < 2**30 for c in found.candidates)
+    assert piped.layout.vpp == 2 and piped.strategy.pipeline_configs["schedule_mode"] == "VPP"
+    assert offloaded.note == "offloaded state from the formula"
+    # mp's all-reduces stay on NVLink, dp's reduction crosses to the other host; ZeRO over
+    # both hosts (8 devices on each) sends an eighth of its bytes over the network.
+    assert 0 < tensor.cost.network_bytes < tensor.cost.wire_bytes
+    assert offloaded.cost.network_bytes == pytest.approx(offloaded.cost.wire_bytes / 8)
+    assert offloaded.cost.host_bytes == pytest.approx(2 * 2 * P_BYTES / 16, rel=0.01)
+    assert found.mesh.devices.size == 16 and found.make_train_step().mesh.shape["mp"] >= 1
+
+
+def test_auto_prunes_by_the_memory_formula_before_compiling():
+    """mp fixed at 8, its state and gradients over the budget: not even lowered."""
+    with pytest.raises(ValueError) as error:
+        auto.search(
+            model(),
+            optax.adam(1e-3),
+            PARAMS,
+            BATCH,
+            strategy=DS(hybrid_configs={"mp_degree": 8}),
+            param_specs=SPECS,
+            devices=targets.devices("h100", 8),
+            memory_budget=P_BYTES / 4,
+        )
+    message = str(error.value)
+    assert "the smallest, #1 dp=1 mp=8, needs at least 6.0 MiB (its state and gradients)" in message
+    assert message.endswith("over budget: its state and gradients alone are 6.0 MiB (formula)")

@@ -114,8 +114,31 @@ def replica_groups(line: str) -> tuple[tuple[int, ...], ...] | None:
     return None
 
 
+def _elements(tuple_shape: str) -> list[str]:
+    """The top-level elements of a tuple shape's text, e.g. ["f32[2]{0}", "(f32[], s32[])"]."""
+    inner, depth, start, found = tuple_shape.strip()[1:-1], 0, 0, []
+    for i, char in enumerate(inner):
+        if char in "({[":
+            depth += 1
+        elif char in ")}]":
+            depth -= 1
+        elif char == "," and depth == 0:
+            found.append(inner[start:i].strip())
+            start = i + 1
+    return [*found, inner[start:].strip()]
+
+
+def _result_shape(op: str, shape: str, asynchronous: bool) -> str:
+    """The collective's result: an asynchronous start's shape holds its operands, its results
+    and (a permute) its contexts, as ``(operands, results, ...)``."""
+    if not asynchronous or op == "all-reduce" or not shape.startswith("("):
+        return shape
+    return _elements(shape)[1]
+
+
 def collectives(hlo_text: str) -> list[Collective]:
-    """Every collective instruction in an HLO module's text (async pairs counted once)."""
+    """Every collective instruction in an HLO module's text (async pairs counted once; an
+    asynchronous start's shape is its results')."""
     found = []
     for line in hlo_text.splitlines():
         if (m := _OP.search(line)) and "-done(" not in line:
@@ -127,9 +150,9 @@ def collectives(hlo_text: str) -> list[Collective]:
             )
             groups = pairs or replica_groups(line)
             size = len(groups[0]) if groups and not pairs else None
-            found.append(
-                Collective(m["op"], m["shape"], size, pairs, groups, asynchronous=bool(m["start"]))
-            )
+            started = bool(m["start"])
+            shape = _result_shape(m["op"], m["shape"], started)
+            found.append(Collective(m["op"], shape, size, pairs, groups, asynchronous=started))
     return found
 
 

@@ -81,3 +81,20 @@ def test_asynchronous_pairs_and_permute_groups():
     sync, start, swap = collectives("\n".join([LISTS, IOTA, permute]))
     assert not sync.asynchronous and start.asynchronous and swap.asynchronous
     assert swap.groups == ((0, 1), (1, 0)) and swap.group_size is None
+
+
+def test_an_asynchronous_start_counts_its_results_only():
+    """XLA:GPU's start ops return (operands, results[, contexts])."""
+    lines = [
+        "%ag = (f32[2,4]{1,0}, f32[8,4]{1,0}) all-gather-start(%p), replica_groups=[2,4]<=[8]",
+        "%a2a = ((f32[4,2]{1,0}, bf16[4]{0}), (f32[4,2]{1,0}, bf16[4]{0})) "
+        "all-to-all-start(%a, %b)",
+        "%cp = (f32[3]{0}, f32[3]{0}, u32[], u32[]) collective-permute-start(%x), "
+        "source_target_pairs={{0,1}}",
+        "%ar = f32[5]{0} all-reduce-start(%y), replica_groups={{0,1}}",
+    ]
+    gather, swap, permute, reduce = collectives("\n".join(lines))
+    assert gather.arrays == [("f32", (8, 4))] and gather.result_bytes == 8 * 4 * 4
+    assert swap.arrays == [("f32", (4, 2)), ("bf16", (4,))]
+    assert permute.arrays == [("f32", (3,))]
+    assert reduce.arrays == [("f32", (5,))]

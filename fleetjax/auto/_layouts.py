@@ -268,6 +268,19 @@ def split(layout: Layout) -> tuple[int, ...]:
     )
 
 
+def activations_scale(seen: Layout, other: Layout) -> float | None:
+    """How `other`'s activations compare with those of `seen` (a compiled layout), or None if
+    they are not comparable: layouts that split the rows, mp and pp alike, with the same
+    recompute, hold the same activations per micro-batch, so in-step micro-batching into k
+    divides them by k (a pipeline's micro-batches change what it keeps in flight instead)."""
+    alike = (seen.replicas, seen.mp, seen.pp, seen.vpp, seen.recompute)
+    if alike != (other.replicas, other.mp, other.pp, other.vpp, other.recompute):
+        return None
+    if seen.pp > 1:
+        return 1.0 if seen.micro_batches == other.micro_batches else None
+    return seen.micro_batches / other.micro_batches
+
+
 def savers(layout: Layout, rows: int) -> list[Layout]:
     """`layout` with recompute and (without a pipeline) in 2, 4 or 8 micro-batches: each
     doubling halves the activations left, so beyond 8 little is left to save."""

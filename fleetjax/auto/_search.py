@@ -44,7 +44,14 @@ from fleetjax.auto._cost import (
     network_share,
     step_cost,
 )
-from fleetjax.auto._layouts import Layout, all_layouts, savers, split, uses_mp
+from fleetjax.auto._layouts import (
+    Layout,
+    activations_scale,
+    all_layouts,
+    savers,
+    split,
+    uses_mp,
+)
 from fleetjax.auto._memory import Formula, compiled_bytes, formula
 from fleetjax.auto._result import (
     CANNOT_APPLY,
@@ -148,19 +155,21 @@ class _Planner:
 
     def over_by_formula(self, layout: Layout, bytes_by_formula: Formula) -> str:
         """Why `layout` cannot fit by its memory formula ("" if it may): its state and gradients
-        alone, or with the activations of a compiled layout that splits them alike (what it
-        holds beyond its own formula; a prediction, with `SAVING_MARGIN`)."""
+        alone, or with the activations of a compiled layout that splits them alike (what that
+        one holds beyond its own formula, divided by in-step micro-batches: a prediction, with
+        `SAVING_MARGIN`)."""
         floor = bytes_by_formula.floor
         if floor > self.budget:
             return f"its state and gradients alone are {bytes_text(floor)} (formula)"
         for c in self.done:
-            if c.device_bytes is None or c.layout is None or split(c.layout) != split(layout):
+            scale = None if c.device_bytes is None else activations_scale(c.layout, layout)
+            if scale is None:
                 continue
-            rest = c.device_bytes - c.formula_bytes
+            rest = (c.device_bytes - c.formula_bytes) * scale
             if floor + rest > SAVING_MARGIN * self.budget:
                 return (
-                    f"predicted: its state and gradients ({bytes_text(floor)}) and the "
-                    f"{bytes_text(rest)} #{c.index} holds beyond them with the same split"
+                    f"predicted over, its state and gradients ({bytes_text(floor)}) and "
+                    f"{bytes_text(rest)} of activations as on #{c.index}"
                 )
         return ""
 
@@ -240,11 +249,31 @@ class _Planner:
             for c in self.done
             if c.status == OVER_BUDGET and c.time_s is not None and c.formula_bytes <= self.budget
         ]
+        tried: set[tuple[int, ...]] = set()
         for base in sorted(short, key=lambda c: (c.time_s, c.layout.order())):
             best = self.best()
-            if best is None or base.time_s < best.time_s:
-                for layout in savers(base.layout, self.rows):
-                    self.consider(layout, floor=base)
+            if split(base.layout) in tried or (best is not None and base.time_s >= best.time_s):
+                continue
+            tried.add(split(base.layout))
+            lean = self.leanest(base)
+            for layout in savers(lean.layout, self.rows):
+                self.consider(layout, floor=base if lean is base else None)
+
+    def leanest(self, base: Candidate) -> Candidate:
+        """Of the layouts that split the activations as `base` does, the one whose state and
+        gradients take the least memory (savers shrink the activations alone), without offload
+        where one fits (offload costs PCIe time)."""
+        alike = [
+            c
+            for c in self.done
+            if c.layout is not None
+            and c.formula_bytes is not None
+            and split(c.layout) == split(base.layout)
+        ]
+        return min(
+            alike,
+            key=lambda c: (c.formula_bytes > self.budget, c.layout.offload, c.formula_bytes),
+        )
 
     def consider(
         self, layout: Layout, always_compile: bool = False, floor: Candidate | None = None

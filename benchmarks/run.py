@@ -30,6 +30,7 @@ NAMES = (
     "memory_transforms",
     "pipeline_memory",
     "gpu",
+    "h100",
 )
 
 

@@ -29,6 +29,8 @@ NAMES = (
     "comm_bytes",
     "memory_transforms",
     "pipeline_memory",
+    "sparse_tables",
+    "input_pipeline",
     "gpu",
     "h100",
 )

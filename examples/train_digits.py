@@ -9,10 +9,15 @@ all-reduces the gradients.
     python examples/train_digits.py --amp --recompute     # strategy switches as flags
     python examples/train_digits.py --optimizer momentum --dgc
     python examples/train_digits.py --checkpoint-dir ckpt # resumes where a killed run stopped
+    python examples/train_digits.py --tensorboard runs/digits  # loss and accuracy scalars
     python -m fleetjax.launch --nproc_per_node 2 --cpu_devices_per_proc 4 \
         examples/train_digits.py                          # 2 processes x 4 devices, same losses
 
-With several processes, each one keeps its own rows of every global batch.
+The batches come from `fleetjax.data.Loader`: shuffled each epoch, each process reading only its
+own rows of every global batch, the next ones prefetched onto the devices while the step runs,
+and its position saved with each checkpoint, so a resumed run sees the same batches.
+It prints the strategy in effect (`fleet.applied_strategy()`: what is applied, the XLA flags,
+what has no effect and why) before it trains.
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -30,10 +34,12 @@ from jax.experimental import multihost_utils
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from tqdm import tqdm
+from train_gpt import tensorboard_writer
 
 import fleetjax
 from fleetjax import fleet
 from fleetjax.checkpoint import CheckpointManager
+from fleetjax.data import Loader
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,6 +75,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--checkpoint-dir", help="save checkpoints here, and resume from the latest one"
     )
     parser.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
+    parser.add_argument(
+        "--prefetch", type=int, default=2, help="batches placed on the devices ahead of the step"
+    )
+    parser.add_argument(
+        "--tensorboard", metavar="DIR", help="write TensorBoard scalars here (tensorboardX)"
+    )
     return parser.parse_args(argv)
 
 
@@ -140,63 +152,51 @@ def load_data(seed: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     return {"image": x_train, "label": y_train}, {"image": x_test, "label": y_test}
 
 
-def batches(
-    data: dict[str, np.ndarray], batch_size: int, seed: int, start: int = 0
-) -> Iterator[dict[str, np.ndarray]]:
-    """Endless shuffled batches, one epoch after another, from batch number `start` on (the
-    data position that a checkpoint records)."""
-    n = len(data["label"])
-    per_epoch = n // batch_size
-    position = start
-    while True:
-        epoch, index = divmod(position, per_epoch)
-        order = np.random.default_rng([seed, epoch]).permutation(n)
-        rows = order[index * batch_size : (index + 1) * batch_size]
-        yield {k: v[rows] for k, v in data.items()}
-        position += 1
-
-
-def process_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """This process's rows of a global batch: the step joins all processes' rows in order."""
-    rows = len(batch["label"]) // jax.process_count()
-    start = jax.process_index() * rows
-    return {k: v[start : start + rows] for k, v in batch.items()}
-
-
 def main(args: argparse.Namespace) -> dict[str, float]:
     fleet.init(is_collective=True, strategy=strategy_from(args))
     train, test = load_data(args.seed)
 
     optimizer = fleet.distributed_optimizer(OPTIMIZERS[args.optimizer](args.learning_rate))
+    print(fleet.applied_strategy())
     step = fleetjax.make_train_step(loss_fn, optimizer, has_aux=True)
     state = step.init(init_params(jax.random.key(args.seed), [64, args.hidden, args.hidden, 10]))
 
-    manager, position = None, 0  # position: batches drawn so far
+    loader = Loader(train, step, args.batch_size, seed=args.seed, prefetch=args.prefetch)
+    manager = None
     if args.checkpoint_dir:
         manager = CheckpointManager(args.checkpoint_dir, save_interval_steps=args.save_every)
         if manager.latest_step() is not None:
             state, extra = manager.restore(state)
-            position = extra["data_position"]
+            loader.set_state(extra["data"])  # the data position: the next unseen batch
             print(f"resumed from {manager.directory} at step {manager.latest_step()}")
     done = int(state.step)
-    data = batches(train, args.batch_size, args.seed, start=position)
+    lead = jax.process_index() == 0  # one process reports
+    writer = tensorboard_writer(args.tensorboard) if args.tensorboard and lead else None
     start = time.perf_counter()
-    progress = tqdm(
-        range(done, args.steps), desc="training", unit="step", disable=jax.process_index() != 0
-    )
+    progress = tqdm(range(done, args.steps), desc="training", unit="step", disable=not lead)
     for i in progress:
-        state, metrics = step(state, process_rows(next(data)))
-        position += 1
+        state, metrics = step(state, next(loader))
         if i == done:  # the first step compiles: time the others
             jax.block_until_ready(metrics)
             start = time.perf_counter()
         if (i + 1) % 20 == 0 or i + 1 == args.steps:
-            progress.set_postfix(loss=f"{float(metrics['loss']):.4f}")
+            progress.set_postfix(
+                epoch=f"{loader.epoch:.1f}",
+                samples=f"{loader.samples:,}",
+                input_wait=f"{1e3 * loader.last_wait_s:.1f}ms",
+                loss=f"{float(metrics['loss']):.4f}",
+            )
+            if writer is not None:
+                for name in ("loss", "accuracy"):
+                    writer.add_scalar(f"train/{name}", float(metrics[name]), i + 1)
         if args.log_every and (i + 1) % args.log_every == 0:
             progress.write(f"step {i + 1}: loss {float(metrics['loss']):.6f}")
         if manager is not None:
-            manager.save(i + 1, state, {"data_position": position}, force=i + 1 == args.steps)
+            manager.save(i + 1, state, {"data": loader.get_state()}, force=i + 1 == args.steps)
     progress.close()
+    loader.close()
+    if writer is not None:
+        writer.close()
     if manager is not None:
         manager.close()
     if done >= args.steps:

@@ -14,8 +14,10 @@ tensor-parallel devices.
     python examples/train_gpt.py --tensorboard runs/gpt         # needs tensorboardX
 
 Flags are set on top of the strategy file (or, without one, of dp2 x pp2 x mp2 with a 1F1B
-pipeline of 4 micro-batches of 4 rows). A metrics line (loss, tokens/s) is printed every
---log-every steps, and a final summary of the loss, the throughput and the mesh.
+pipeline of 4 micro-batches of 4 rows). The batches are windows of the text, shuffled by
+`fleetjax.data.Loader`, which reads each process's rows and prefetches them onto the devices. A
+metrics line (loss, the loop's wait for data, tokens/s) is printed every --log-every steps, and
+a final summary of the loss, the throughput and the mesh.
 """
 
 from __future__ import annotations
@@ -25,15 +27,16 @@ import importlib
 import os
 import pathlib
 import time
-from collections.abc import Iterator
 from typing import Any
 
+import grain
 import jax
 import numpy as np
 from gpt import GPTConfig, make_gpt
 
 import fleetjax
 from fleetjax import fleet
+from fleetjax.data import Loader
 from fleetjax.mesh import data_parallel_size
 from fleetjax.transforms.pipeline import PipelineLayer
 
@@ -154,19 +157,11 @@ def corpus(module: str) -> np.ndarray:
     return text[text < 128].astype(np.int32)
 
 
-def batches(tokens: np.ndarray, rows: int, length: int, seed: int) -> Iterator[dict[str, Any]]:
-    """Endless batches of `rows` random windows of `length + 1` tokens."""
-    rng = np.random.default_rng(seed)
-    while True:
-        starts = rng.integers(0, len(tokens) - length - 1, rows)
-        yield {"tokens": np.stack([tokens[s : s + length + 1] for s in starts])}
-
-
-def process_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """This process's rows of a global batch: the step joins all processes' rows in order."""
-    rows = len(next(iter(batch.values()))) // jax.process_count()
-    start = jax.process_index() * rows
-    return {k: v[start : start + rows] for k, v in batch.items()}
+def windows(tokens: np.ndarray, length: int) -> grain.MapDataset:
+    """Every window of `length + 1` consecutive tokens, as records `{"tokens": window}`."""
+    return grain.MapDataset.range(len(tokens) - length).map(
+        lambda start: {"tokens": tokens[start : start + length + 1]}
+    )
 
 
 def tensorboard_writer(logdir: str) -> Any:
@@ -187,7 +182,8 @@ class TrainingLog:
     scalars for TensorBoard. Shared by the examples' training scripts.
 
     The first step compiles, so throughput is timed from its end. Metrics are read from the
-    device only when a line is printed.
+    device only when a line is printed. With a `loader`, the bar shows its epoch and samples,
+    and each line the mean time the loop waited for a batch (`input_wait_ms`).
     """
 
     def __init__(
@@ -198,6 +194,7 @@ class TrainingLog:
         per_step: int,
         unit: str,
         logdir: str | None = None,
+        loader: Loader | None = None,
     ) -> None:
         """`per_step` `unit`s (e.g. 1024 "tokens") are processed per step."""
         for flag, value in (("--steps", steps), ("--log-every", log_every)):
@@ -209,6 +206,8 @@ class TrainingLog:
         self.writer = tensorboard_writer(logdir) if logdir and lead else None
         self.progress = tqdm(total=steps, desc="training", unit="step", disable=not lead)
         self.log_every, self.per_step, self.unit = log_every, per_step, unit
+        self.loader = loader
+        self._waited = 0.0  # seconds waited for batches since the last mark
         self.done = 0
         self.first: dict[str, float] = {}
         self.last: dict[str, float] = {}
@@ -219,25 +218,35 @@ class TrainingLog:
         """Record one step's scalar metrics (device arrays or numbers)."""
         self.done += 1
         self.progress.update()
+        if self.loader is not None:
+            self._waited += self.loader.last_wait_s
         if self.done == 1:
             self.first = self.last = {k: float(v) for k, v in metrics.items()}
             self._start = self._mark = time.perf_counter()
-            self._marked = 1
+            self._marked, self._waited = 1, 0.0
         elif self.done % self.log_every == 0 or self.done == self.progress.total:
             self.last = {k: float(v) for k, v in metrics.items()}  # waits for the step
-            now = time.perf_counter()
-            rate = (self.done - self._marked) * self.per_step / (now - self._mark)
-            self._mark, self._marked = now, self.done
-            scalars = {**self.last, f"{self.unit}_per_second": rate}
-            self.progress.set_postfix(loss=f"{self.last['loss']:.4f}")
+            now, steps = time.perf_counter(), self.done - self._marked
+            rate = steps * self.per_step / (now - self._mark)
+            scalars = dict(self.last)
+            if self.loader is not None:
+                scalars["input_wait_ms"] = 1e3 * self._waited / steps
+            self._mark, self._marked, self._waited = now, self.done, 0.0
+            self.progress.set_postfix(self._postfix())
             self.progress.write(
                 f"step {self.done}: "
-                + " | ".join(f"{k} {v:.4f}" for k, v in self.last.items())
+                + " | ".join(f"{k} {v:.4f}" for k, v in scalars.items())
                 + f" | {rate:,.0f} {self.unit}/s"
             )
             if self.writer is not None:
-                for name, value in scalars.items():
+                for name, value in {**scalars, f"{self.unit}_per_second": rate}.items():
                     self.writer.add_scalar(f"train/{name}", value, self.done)
+
+    def _postfix(self) -> dict[str, str]:
+        postfix = {"loss": f"{self.last['loss']:.4f}"}
+        if self.loader is not None:
+            postfix |= {"epoch": f"{self.loader.epoch:.2f}", "samples": f"{self.loader.samples:,}"}
+        return postfix
 
     def close(self) -> float:
         """Close the bar and the log; returns the throughput (`unit`s per second) of every step
@@ -248,6 +257,32 @@ class TrainingLog:
         timed = self.done - 1
         elapsed = time.perf_counter() - self._start
         return timed * self.per_step / elapsed if timed > 0 else float("nan")
+
+
+def run_training(
+    step: fleetjax.TrainStep,
+    state: fleetjax.TrainState,
+    loader: Loader,
+    args: argparse.Namespace,
+    per_step: int,
+    unit: str,
+    keep: tuple[str, ...],
+) -> tuple[fleetjax.TrainState, TrainingLog, float]:
+    """`args.steps` steps on `loader`'s batches, logged (the metrics named `keep`, where the
+    step returns them) by a `TrainingLog`; returns the state, the log and the throughput."""
+    log = TrainingLog(
+        args.steps,
+        log_every=args.log_every,
+        per_step=per_step,
+        unit=unit,
+        logdir=args.tensorboard,
+        loader=loader,
+    )
+    for _ in range(args.steps):
+        state, metrics = step(state, next(loader))
+        log.step({k: metrics[k] for k in keep if k in metrics})
+    loader.close()
+    return state, log, log.close()
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -290,20 +325,13 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     size = sum(x.size for x in jax.tree.leaves(params))
     print(
         f"GPT: {size / 1e6:.2f}M parameters ({args.layers} layers, hidden {args.hidden}, "
-        f"{args.heads} heads); {rows} x {args.seq_len} tokens per step\n{strategy!r}"
+        f"{args.heads} heads); {rows} x {args.seq_len} tokens per step"
     )
-    log = TrainingLog(
-        args.steps,
-        log_every=args.log_every,
-        per_step=tokens_per_step,
-        unit="tokens",
-        logdir=args.tensorboard,
+    print(fleet.applied_strategy())
+    loader = Loader(windows(corpus(args.corpus), args.seq_len), step, rows, seed=args.seed)
+    state, log, throughput = run_training(
+        step, state, loader, args, tokens_per_step, "tokens", ("loss", "loss_scale")
     )
-    data = batches(corpus(args.corpus), rows, args.seq_len, args.seed)
-    for _ in range(args.steps):
-        state, metrics = step(state, process_rows(next(data)))
-        log.step({k: metrics[k] for k in ("loss", "loss_scale") if k in metrics})
-    throughput = log.close()
 
     summary = {
         "first_loss": log.first["loss"],

@@ -29,11 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from resnet import ResNetFunctions, make_resnet
-from train_digits import batches, load_data
-from train_gpt import TrainingLog, process_rows
+from train_digits import load_data
+from train_gpt import run_training
 
 import fleetjax
 from fleetjax import fleet
+from fleetjax.data import Loader
 from fleetjax.mesh import data_parallel_size
 
 
@@ -126,6 +127,13 @@ def load_images(seed: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]
     )
 
 
+def process_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """This process's rows of a global batch: the step joins all processes' rows in order."""
+    rows = len(next(iter(batch.values()))) // jax.process_count()
+    start = jax.process_index() * rows
+    return {k: v[start : start + rows] for k, v in batch.items()}
+
+
 def accuracy(resnet: ResNetFunctions, params: Any, stats: Any, batch: dict[str, Any]) -> jax.Array:
     """The fraction of `batch`'s images classified right, with the running statistics."""
     predicted = jnp.argmax(resnet.logits(params, stats, batch["image"]), -1)
@@ -162,18 +170,11 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     size = sum(x.size for x in jax.tree.leaves(params))
     rows = args.batch_size * replicas
     print(f"ResNet-{args.depth}: {size / 1e3:.0f}K parameters; {rows} images per step")
-    print(repr(strategy))
-    for flag in fleetjax.read_plan(strategy).xla_flags:
-        print(f"XLA flag {flag} from {flag.knob}")
+    print(fleet.applied_strategy())
     train, test = load_images(args.seed)
-    data = batches(train, rows, args.seed)
-    log = TrainingLog(
-        args.steps, log_every=args.log_every, per_step=rows, unit="images", logdir=args.tensorboard
-    )
-    for _ in range(args.steps):
-        state, metrics = step(state, process_rows(next(data)))
-        log.step({k: metrics[k] for k in ("loss", "accuracy", "loss_scale") if k in metrics})
-    throughput = log.close()
+    loader = Loader(train, step, rows, seed=args.seed)
+    keep = ("loss", "accuracy", "loss_scale")
+    state, log, throughput = run_training(step, state, loader, args, rows, "images", keep)
 
     params = state.params
     if step.plan.replica_params:  # LocalSGD: every replica has its own; evaluate replica 0's

@@ -48,9 +48,11 @@ from fleetjax.strategy import (
 from fleetjax.train_state import TrainState
 from fleetjax.transforms.amp import fp16_guard
 from fleetjax.transforms.pipeline import (
+    LayerDesc,
     PipelineLayer,
     PipelineParams,
     PipelineSchedule,
+    SharedLayerDesc,
     pipeline_schedule,
 )
 from fleetjax.transforms.recompute import checkpoint_name, recompute
@@ -65,6 +67,7 @@ __all__ = [
     "DistributedStrategy",
     "ExecutionStrategy",
     "Explanation",
+    "LayerDesc",
     "PipelineLayer",
     "PipelineParams",
     "PipelineSchedule",
@@ -72,6 +75,7 @@ __all__ = [
     "Plan",
     "PrototxtError",
     "Setting",
+    "SharedLayerDesc",
     "Strategy",
     "StrategyWarning",
     "TrainState",

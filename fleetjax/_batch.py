@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -37,12 +38,27 @@ class BatchShapes:
             )
 
 
-def global_shape(x: Any) -> tuple[int, ...]:
+@functools.cache
+def process_share(mesh: Mesh) -> int:
+    """How many times this process's rows make the global batch: the data-parallel blocks of
+    the batch over the blocks this process's devices hold (with one process, 1; with the data
+    axes spread evenly over the processes, `jax.process_count()`; with a batch replicated over
+    the processes, as for tensor parallelism across hosts, 1)."""
+    axes = [mesh.axis_names.index(a) for a in data_axes(mesh)]
+    local = {
+        tuple(int(i) for i in np.take(index, axes))
+        for index in np.ndindex(mesh.devices.shape)
+        if mesh.devices[index].process_index == jax.process_index()
+    }
+    return data_parallel_size(mesh) // max(1, len(local))
+
+
+def global_shape(x: Any, mesh: Mesh) -> tuple[int, ...]:
     """The global shape of a batch leaf: a JAX array's or an abstract one's own; a host array
-    is this process's rows, one of `jax.process_count()` equal parts."""
+    holds this process's rows (`process_share`)."""
     if isinstance(x, jax.Array | jax.ShapeDtypeStruct):
         return x.shape
-    return (x.shape[0] * jax.process_count(), *x.shape[1:])
+    return (x.shape[0] * process_share(mesh), *x.shape[1:])
 
 
 def check_batch(batch: Any, mesh: Mesh, micro_batches: int = 1) -> Any:
@@ -67,7 +83,7 @@ def check_batch(batch: Any, mesh: Mesh, micro_batches: int = 1) -> Any:
             )
         if not x.shape:
             raise ValueError(f"{name} is a scalar; every batch leaf needs a batch dimension")
-        rows = global_shape(x)[0]
+        rows = global_shape(x, mesh)[0]
         if rows == 0:
             raise ValueError(f"{name} has 0 rows; a step needs at least one example")
         if rows % ways:
@@ -108,5 +124,6 @@ def abstract_batch(batch: Any, sharding: NamedSharding) -> Any:
     """`batch` (checked) as `jax.ShapeDtypeStruct`s of the global batch placed with
     `sharding`."""
     return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(global_shape(x), x.dtype, sharding=sharding), batch
+        lambda x: jax.ShapeDtypeStruct(global_shape(x, sharding.mesh), x.dtype, sharding=sharding),
+        batch,
     )

@@ -5,8 +5,9 @@
 
 * `amp.autocast` runs the loss (each part of a `PipelineLayer`) at the plan's precisions;
 * the loss, multiplied by the loss scale under AMP loss scaling, is differentiated by
-  `value_and_grad`, or by the `pipeline` over `pp` (which accumulates its micro-batches and
-  reduces over the data axes itself);
+  `value_and_grad`, or by the `pipeline` over `pp`, which accumulates its micro-batches (the
+  in-step merge's) and reduces over the data axes itself, with the reducer below where there
+  is one;
 * `gradient_merge.microbatched` splits the batch into the in-step merge's micro-batches;
 * a reducer over the data axes (`grad_allreduce.data_parallel`) where the strategy controls
   the communication: fp16_allreduce, ZeRO-2/3's reduce-scatter, hierarchical all-reduce, or
@@ -64,7 +65,7 @@ def grad_chain(
     if plan.amp is not None:
         loss_fn = _autocast(loss_fn, plan.amp.policy)
     if plan.pipeline is not None:
-        grad_fn = _pipelined(loss_fn, plan, mesh, signature, loss_scale)
+        grad_fn = _pipelined(loss_fn, plan, mesh, placement, signature, loss_scale)
     else:
         grad_fn = value_and_grad(_normalised(loss_fn, signature, loss_scale))
         merge = plan.in_step_merge
@@ -194,31 +195,46 @@ def vpp_degree(plan: Plan, model: PipelineLayer) -> int:
     return max(asked, own)
 
 
-def stage_order(params: Any, plan: Plan, model: Loss, mesh: Mesh) -> Any:
-    """`params` as the pipeline keeps them: under VPP, stage s holds chunks s, s + P, ...
-    (`fleetjax.transforms.pipeline.to_model_order` goes back); otherwise as they are."""
+def stage_order(params: Any, model_state: Any, plan: Plan, model: Loss, mesh: Mesh) -> tuple:
+    """`params` and `model_state` as the pipeline keeps them: under VPP, stage s holds the
+    layers of chunks s, s + P, ... (`fleetjax.transforms.pipeline.to_model_order` goes back);
+    otherwise as they are."""
     if plan.pipeline is None:
-        return params
-    vpp = vpp_degree(plan, model)
-    check_pipeline_layers(params, mesh.shape["pp"], vpp)
-    if vpp < 2:
-        return params
-    pp = mesh.shape["pp"]
+        return params, model_state
+    vpp, stages = vpp_degree(plan, model), mesh.shape["pp"]
+    if model.num_stages is not None and model.num_stages != stages:
+        raise ValueError(
+            f"the PipelineLayer was cut for num_stages={model.num_stages}, but the mesh's pp "
+            f"axis (pp_degree) has {stages}"
+        )
+    trees = (params,) if model_state is None else (params, model_state)
+    for tree, name in zip(trees, ("params", "model_state"), strict=False):
+        check_pipeline_layers(tree, stages, vpp, name)
+    if vpp > 1:
 
-    def reorder(x: Any) -> Any:  # an abstract layer keeps its shape (nothing runs)
-        return x if isinstance(x, jax.ShapeDtypeStruct) else to_pipeline_order(x, pp, vpp)
+        def reorder(x: Any) -> Any:  # an abstract layer keeps its shape (nothing runs)
+            return x if isinstance(x, jax.ShapeDtypeStruct) else to_pipeline_order(x, stages, vpp)
 
-    return params._replace(layers=jax.tree.map(reorder, params.layers))
+        order = lambda tree: jax.tree.map(reorder, tree.layers)  # noqa: E731
+        trees = tuple(tree._replace(layers=order(tree)) for tree in trees)
+    return trees if model_state is not None else (*trees, None)
 
 
 def _pipelined(
     model: PipelineLayer,
     plan: Plan,
     mesh: Mesh,
+    placement: Placement,
     signature: Signature,
     loss_scale: DynamicLossScale | None,
 ) -> GradFn:
+    """The pipeline's gradient function; it accumulates its micro-batches (in-step gradient
+    merge is that) and reduces over the data axes once, through the plan's reducer where the
+    strategy controls the communication (fp16_allreduce, hierarchical all-reduce)."""
+    model.check_flags(signature.has_rng, signature.has_state)
     config = plan.pipeline
+    controlled = plan.allreduce_dtype is not None or plan.hierarchical is not None
+    reducer = _reducer(plan, mesh, placement) if controlled else None
     value_and_grad_fn = pipeline(
         model.embed,
         model.stage,
@@ -230,13 +246,18 @@ def _pipelined(
         vpp_degree=vpp_degree(plan, model),
         has_aux=signature.has_aux,
         has_rng=signature.has_rng,
+        has_state=signature.has_state,
+        reducer=None if reducer is None else reducer[0],
     )
     scale = None if loss_scale is None else loss_scale.loss_scale
 
-    def grad_fn(params: Any, model_state: None, batch: Any, *key: Any) -> tuple[Outputs, Any]:
-        out, grads = value_and_grad_fn(params, batch, *key, loss_scale=scale)
-        loss, aux = out if signature.has_aux else (out, {})
-        return Outputs(loss, aux, None), grads
+    def grad_fn(params: Any, model_state: Any, batch: Any, *key: Any) -> tuple[Outputs, Any]:
+        # Rebuilt, so that flax Variables in it belong to this trace (see `_normalised`).
+        state = (jax.tree.map(lambda x: x, model_state),) if signature.has_state else ()
+        out, grads = value_and_grad_fn(params, *state, batch, *key, loss_scale=scale)
+        loss, *rest = out if isinstance(out, tuple) else (out,)
+        aux = rest[0] if signature.has_aux else {}
+        return Outputs(loss, aux, rest[-1] if signature.has_state else None), grads
 
     return grad_fn
 

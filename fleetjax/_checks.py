@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from fleetjax.train_state import TrainState
+from fleetjax.transforms.pipeline import PipelineParams
 
 
 def _name(root: str, path: Any) -> str:
@@ -99,17 +100,30 @@ def _summary(tree: jax.tree_util.PyTreeDef) -> str:
     return text if len(text) < 200 else text[:200] + "..."
 
 
-def check_pipeline_layers(params: Any, pp: int, vpp: int) -> None:
-    """The stacked layers split into `pp` x `vpp` equal chunks (checked before placement, so
-    the error is this one and not the sharding's)."""
-    lengths = {x.shape[0] if x.shape else None for x in jax.tree.leaves(params.layers)}
+def check_pipeline_layers(tree: Any, pp: int, vpp: int, name: str = "params") -> None:
+    """The stacked layers of `tree` (the parameters, or the model state, `name`) split into
+    `pp` x `vpp` equal chunks (checked before placement, so the error is this one and not the
+    sharding's). A model state may have no layers' state.
+
+    Raises:
+      TypeError: if `tree` is not a `PipelineParams`.
+      ValueError: for layers of different lengths, or a length that does not split.
+    """
+    if not isinstance(tree, PipelineParams):
+        raise TypeError(
+            f"under a pipeline, {name} must be a fleetjax PipelineParams(embed, layers, head), "
+            f"got {type(tree).__name__}"
+        )
+    lengths = {x.shape[0] if x.shape else None for x in jax.tree.leaves(tree.layers)}
+    if name != "params" and not lengths:
+        return
     if len(lengths) != 1 or None in lengths:
         raise ValueError(
-            f"every leaf of params.layers needs the same leading (layer) axis, got {lengths}"
+            f"every leaf of {name}.layers needs the same leading (layer) axis, got {lengths}"
         )
     (layers,) = lengths
     if layers % (pp * vpp):
         raise ValueError(
-            f"params.layers has {layers} layers, which do not split into pp_degree x "
+            f"{name}.layers has {layers} layers, which do not split into pp_degree x "
             f"vpp_degree = {pp} x {vpp} equal chunks; use a layer count divisible by {pp * vpp}"
         )

@@ -2,9 +2,10 @@
 
 `DISTRIBUTED_STRATEGY` mirrors `message DistributedStrategy` of Paddle's
 `distributed_strategy.proto` (3.3.1, plus the 2.x fields it dropped), so that Paddle prototxt
-files load and ours load in Paddle. Parameter-server table messages (`downpour_table_param`)
-are left out. Defaults are Paddle's, except where the seed documents say otherwise; those fields
-carry `paddle_default` and are listed by `seed_default_differences()`.
+files load and ours load in Paddle, including the parameter-server table messages
+(`downpour_table_param`, which `sparse_table_configs` sets). Defaults are Paddle's, except
+where the seed documents say otherwise; those fields carry `paddle_default` and are listed by
+`seed_default_differences()`.
 
 `AUTO_STRATEGY` mirrors the sections of the newer `paddle.distributed.Strategy`.
 """
@@ -43,7 +44,23 @@ _merge_mode = one_of("across_calls", "in_step")
 HYBRID_AXES = ("dp", "pp", "sharding", "sep", "cp", "mp")
 DEFAULT_ORDER = ["dp", "pp", "sharding", "sep", "cp", "mp"]
 
-_PS = "parameter-server mode only; fleetjax trains in collective mode"
+_PS = (
+    "a setting of Paddle's parameter-server runtime (its server processes, trainer dumps, "
+    "file system client, heterogeneous workers); fleetjax's parameter-server step is one SPMD "
+    "program and reads only a_sync, a_sync_configs.k_steps and the sparse table configs"
+)
+_PS_RUNTIME = (
+    "a setting of Paddle's parameter-server communicator threads and queues; fleetjax's "
+    "parameter-server step is one SPMD program with no communicator"
+)
+_TABLE_STORE = (
+    "how Paddle's servers store and cache a table; fleetjax splits a table's rows over the "
+    "devices' memory"
+)
+_CTR = (
+    "Paddle's CTR accessor bookkeeping (show/click counts, shrinking, save filters); "
+    "fleetjax's tables are plain embeddings that keep every row"
+)
 _STATIC = "a Paddle static-graph executor setting; XLA compiles and schedules the whole step"
 
 _XLA_SCHEDULES = "XLA compiles the whole step into one program and schedules it itself"
@@ -216,15 +233,16 @@ ASYNC_CONFIG = message(
     "AsyncConfig",
     "a_sync_configs",
     [
-        field(1, "k_steps", int, -1, note=_PS),
-        field(2, "max_merge_var_num", int, 1, note=_PS),
-        field(3, "send_queue_size", int, 16, note=_PS),
-        field(4, "independent_recv_thread", bool, False, note=_PS),
-        field(5, "min_send_grad_num_before_recv", int, 1, note=_PS),
-        field(6, "thread_pool_size", int, 1, note=_PS),
-        field(7, "send_wait_times", int, 1, note=_PS),
-        field(8, "runtime_split_send_recv", bool, False, note=_PS),
-        field(9, "launch_barrier", bool, True, note=_PS),
+        # a_sync=True with k_steps > 0: Geo-SGD every k_steps (fleetjax.optimizers.geo_sgd).
+        field(1, "k_steps", int, -1),
+        field(2, "max_merge_var_num", int, 1, note=_PS_RUNTIME),
+        field(3, "send_queue_size", int, 16, note=_PS_RUNTIME),
+        field(4, "independent_recv_thread", bool, False, note=_PS_RUNTIME),
+        field(5, "min_send_grad_num_before_recv", int, 1, note=_PS_RUNTIME),
+        field(6, "thread_pool_size", int, 1, note=_PS_RUNTIME),
+        field(7, "send_wait_times", int, 1, note=_PS_RUNTIME),
+        field(8, "runtime_split_send_recv", bool, False, note=_PS_RUNTIME),
+        field(9, "launch_barrier", bool, True, note=_PS_RUNTIME),
         field(10, "heter_worker_device_guard", str, "cpu", note=_PS),
         field(11, "lr_decay_steps", int, 10, note=_PS),
         field(12, "use_ps_gpu", int, 0, note=_PS),
@@ -525,6 +543,153 @@ TRAINER_DESC_CONFIG = message(
     ],
 )
 
+# -- parameter-server tables (`downpour_table_param`, set through `sparse_table_configs`) -------
+# Paddle's `TableParameter` and its accessor; fleetjax reads a table's rules (`embed_sgd_param`,
+# `embedx_sgd_param`) and checks its dimensions against the `SparseEmbedding` of that name.
+
+_NOT_MODELLED_RULE = (
+    "a table starts as its SparseEmbedding initialised it (initial_range is the layer's)"
+)
+
+
+SPARSE_NAIVE_SGD_RULE = message(
+    "SparseNaiveSGDRuleParameter",
+    "naive",
+    [
+        field(1, "learning_rate", float, 0.05),
+        field(2, "initial_range", float, 0.0001, note=_NOT_MODELLED_RULE),
+        field(3, "weight_bounds", float, []),
+    ],
+)
+
+SPARSE_ADAGRAD_SGD_RULE = message(
+    "SparseAdagradSGDRuleParameter",
+    "adagrad",
+    [
+        field(1, "learning_rate", float, 0.05),
+        field(2, "initial_g2sum", float, 3.0),
+        field(3, "initial_range", float, 0.0001, note=_NOT_MODELLED_RULE),
+        field(4, "weight_bounds", float, []),
+    ],
+)
+
+SPARSE_ADAM_SGD_RULE = message(
+    "SparseAdamSGDParameter",
+    "adam",
+    [
+        field(1, "learning_rate", float, 0.001),
+        field(2, "initial_range", float, 0.0001, note=_NOT_MODELLED_RULE),
+        field(3, "beta1_decay_rate", float, 0.9),
+        field(4, "beta2_decay_rate", float, 0.999),
+        field(5, "ada_epsilon", float, 1e-08),
+        field(6, "weight_bounds", float, []),
+    ],
+)
+
+SGD_PARAMETER = message(
+    "SGDParameter",
+    "sgd_param",
+    [
+        field(1, "name", str, ""),
+        field(2, "naive", SPARSE_NAIVE_SGD_RULE),
+        field(3, "adagrad", SPARSE_ADAGRAD_SGD_RULE),
+        field(4, "adam", SPARSE_ADAM_SGD_RULE),
+    ],
+)
+
+CTR_ACCESSOR_PARAMETER = message(
+    "CtrAccessorParameter",
+    "ctr_accessor_param",
+    [
+        field(1, "nonclk_coeff", float, 0.1, note=_CTR),
+        field(2, "click_coeff", float, 1.0, note=_CTR),
+        field(3, "base_threshold", float, 1.5, note=_CTR),
+        field(4, "delta_threshold", float, 0.25, note=_CTR),
+        field(5, "delta_keep_days", float, 16.0, note=_CTR),
+        field(6, "show_click_decay_rate", float, 0.98, note=_CTR),
+        field(7, "delete_threshold", float, 0.8, note=_CTR),
+        field(8, "delete_after_unseen_days", float, 30.0, note=_CTR),
+        field(9, "ssd_unseenday_threshold", int, 1, note=_CTR),
+        field(10, "show_scale", bool, True, note=_CTR),
+        field(11, "zero_init", bool, True, note=_NOT_MODELLED_RULE),
+        field(12, "load_filter_slots", float, [], note=_CTR),
+        field(13, "save_filter_slots", float, [], note=_CTR),
+    ],
+)
+
+TABLE_ACCESSOR_SAVE_PARAMETER = message(
+    "TableAccessorSaveParameter",
+    "table_accessor_save_param",
+    [
+        field(1, "param", int, 0),
+        field(2, "converter", str, ""),
+        field(3, "deconverter", str, ""),
+    ],
+)
+
+GRAPH_SGD_PARAMETER = message(
+    "GraphSGDParameter",
+    "graph_sgd_param",
+    [
+        field(1, "nodeid_slot", int, 9008),
+        field(2, "feature_learning_rate", float, 0.05),
+    ],
+)
+
+_GRAPH = "graph-learning tables; fleetjax has sparse embedding tables only"
+
+TABLE_ACCESSOR_PARAMETER = message(
+    "TableAccessorParameter",
+    "accessor",
+    [
+        # "" or SparseAccessor; Paddle's CTR accessors add show/click columns (not modelled).
+        field(1, "accessor_class", str, ""),
+        field(4, "fea_dim", int, 11),  # checked: embedding_dim + 2 (show, click, embed, embedx)
+        field(5, "embedx_dim", int, 8),  # checked: embedding_dim - 1
+        field(
+            6,
+            "embedx_threshold",
+            int,
+            10,
+            note="Paddle trains a row's embedx columns once its show/click score reaches it; "
+            "fleetjax trains every column from a row's first lookup",
+        ),
+        field(7, "ctr_accessor_param", CTR_ACCESSOR_PARAMETER),
+        field(8, "table_accessor_save_param", TABLE_ACCESSOR_SAVE_PARAMETER, [], note=_CTR),
+        field(10, "embed_sgd_param", SGD_PARAMETER),
+        field(11, "embedx_sgd_param", SGD_PARAMETER),
+        field(12, "graph_sgd_param", GRAPH_SGD_PARAMETER, note=_GRAPH),
+    ],
+)
+
+TABLE_TYPE = Enum("TableType", (("PS_SPARSE_TABLE", 0), ("PS_DENSE_TABLE", 1)))
+
+TABLE_PARAMETER = message(
+    "TableParameter",
+    "downpour_table_param",
+    [
+        field(1, "table_id", int, 0, note="fleetjax identifies a table by its table_name"),
+        field(2, "table_name", str, ""),
+        field(3, "table_class", str, "", note=_TABLE_STORE),
+        field(4, "shard_num", int, 1000, note=_TABLE_STORE),
+        field(
+            5,
+            "type",
+            TABLE_TYPE,
+            "PS_SPARSE_TABLE",
+            note="dense parameters train data parallel; only sparse tables are tables",
+        ),
+        field(6, "accessor", TABLE_ACCESSOR_PARAMETER),
+        field(7, "compress_in_save", bool, False, note=_TABLE_STORE),
+        field(10, "enable_sparse_table_cache", bool, True, note=_TABLE_STORE),
+        field(11, "sparse_table_cache_rate", float, 0.00055, note=_TABLE_STORE),
+        field(12, "sparse_table_cache_file_num", int, 16, note=_TABLE_STORE),
+        field(13, "enable_revert", bool, False, note=_TABLE_STORE),
+        field(14, "shard_merge_rate", float, 1.0, note=_TABLE_STORE),
+        field(15, "use_gpu_graph", bool, False, note=_GRAPH),
+    ],
+)
+
 FS_CLIENT_PARAMETER = message(
     "FsClientParameter",
     "fs_client_param",
@@ -768,7 +933,9 @@ DISTRIBUTED_STRATEGY = message(
             "resumes from the last checkpoint",
         ),
         field(11, "auto", bool, False),
-        field(12, "a_sync", bool, True, note=_PS),
+        # With sparse tables: False is the synchronous step, True with a_sync_configs.k_steps > 0
+        # Geo-SGD; True otherwise (Paddle's async) runs synchronously and warns.
+        field(12, "a_sync", bool, True),
         field(
             13,
             "sync_nccl_allreduce",
@@ -902,6 +1069,7 @@ DISTRIBUTED_STRATEGY = message(
         field(112, "hybrid_configs", HYBRID_CONFIG),
         field(113, "tensor_parallel_configs", TENSOR_PARALLEL_CONFIG),
         field(114, "trainer_desc_configs", TRAINER_DESC_CONFIG),
+        field(115, "downpour_table_param", TABLE_PARAMETER, []),
         field(116, "fs_client_param", FS_CLIENT_PARAMETER),
         field(117, "qat_configs", QAT_CONFIG),
         field(201, "build_strategy", BUILD_STRATEGY),

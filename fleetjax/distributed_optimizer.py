@@ -17,6 +17,20 @@ from fleetjax.strategy import DistributedStrategy, Strategy
 
 __all__ = ["DistributedOptimizer", "bind", "distributed_optimizer"]
 
+# Paddle's dygraph optimizer calls: they need a model's training state, which the fleet holds.
+_DYGRAPH_CALLS = frozenset(
+    {
+        "minimize",
+        "backward",
+        "step",
+        "clear_grad",
+        "state_dict",
+        "set_state_dict",
+        "get_lr",
+        "set_lr",
+    }
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class DistributedOptimizer:
@@ -45,6 +59,16 @@ class DistributedOptimizer:
     @property
     def update(self) -> Any:
         return self.inner.update
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _DYGRAPH_CALLS:
+            raise AttributeError(
+                f"{type(self).__name__} has no {name}(): Paddle's dygraph calls act on a "
+                "model's training state, which this value does not hold; use the optimizer "
+                "that fleet.distributed_optimizer returns (after fleet.init), whose calls act "
+                "on the fleet's Trainer, or a fleetjax.fleet.Trainer"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
 def bind(

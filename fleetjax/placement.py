@@ -10,6 +10,8 @@ runs, so it works for meshes of compile-only devices too):
 * optimizer state: as its parameters, under any ZeRO stage also over `sharding`, in pinned
   host memory under `optimize_offload`;
 * model state (batch-norm statistics): by `state_specs` or logical axis names;
+* sparse tables (`fleetjax.layers.SparseTable`): rows split over every device, their rule's
+  slots likewise (in a `TablesState`), their gradients (the touched rows) whole;
 * under DGC and LocalSGD (per-replica optimizers) the optimizer state, and under LocalSGD
   the parameters, are stacked on a leading replica axis split over the data axes; each
   replica's gradient is its own, so the gradients have no placement.
@@ -27,8 +29,9 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from fleetjax._tables import TablesState, slot_specs
 from fleetjax._warnings import warn_once
-from fleetjax.layers import partition_specs
+from fleetjax.layers import is_table, partition_specs
 from fleetjax.mesh import (
     ZERO_MIN_ELEMENTS,
     batch_sharding,
@@ -40,6 +43,7 @@ from fleetjax.mesh import (
 from fleetjax.plan import Plan
 from fleetjax.train_state import TrainState
 from fleetjax.transforms.pipeline import PipelineParams
+from fleetjax.transforms.sparse_rows import without_tables
 
 __all__ = ["Placement", "model_state_shardings", "param_shardings", "place"]
 
@@ -93,6 +97,11 @@ def _tensor_specs(plan: Plan, mesh: Mesh, params: Any, param_specs: Any) -> Any:
             "the strategy asks for a pipeline: the parameters must be the PipelineParams("
             f"embed, layers, head) the pipeline trains, not {type(specs).__name__}"
         )
+    return _by_stage(specs)
+
+
+def _by_stage(specs: PipelineParams) -> PipelineParams:
+    """`specs` with the stacked layers' leading (layer) axis split over `pp`."""
     by_stage = lambda spec: PartitionSpec("pp", *tuple(spec)[1:])  # noqa: E731
     return specs._replace(layers=jax.tree.map(by_stage, specs.layers, is_leaf=_is_spec))
 
@@ -109,11 +118,14 @@ def _check_mp_used(mesh: Mesh, specs: Any) -> None:
 
 def _zero_specs(plan: Plan, mesh: Mesh, specs: Any, params: Any) -> Any:
     """`specs` also split over `sharding` where ZeRO's rule finds a dimension (any stage);
-    warns once for each large tensor that stays whole on every device."""
+    warns once for each large tensor that stays whole on every device. Sparse tables keep
+    theirs (their rows are split over every device already)."""
     if not plan.sharding_stage:
         return specs
 
-    def split(path: Any, spec: PartitionSpec, x: Any) -> PartitionSpec:
+    def split(path: Any, spec: Any, x: Any) -> Any:
+        if is_table(x):
+            return spec
         zero, degree = zero_spec(spec, x.shape, mesh), mesh.shape.get("sharding", 1)
         if zero == spec and degree > 1 and math.prod(x.shape) >= ZERO_MIN_ELEMENTS:
             warn_once(
@@ -124,7 +136,8 @@ def _zero_specs(plan: Plan, mesh: Mesh, specs: Any, params: Any) -> Any:
             )
         return zero
 
-    return jax.tree_util.tree_map_with_path(split, specs, params, is_leaf=_is_spec)
+    is_leaf = lambda s: _is_spec(s) or is_table(s)  # noqa: E731
+    return jax.tree_util.tree_map_with_path(split, specs, params, is_leaf=is_leaf)
 
 
 def param_shardings(plan: Plan, mesh: Mesh, params: Any, param_specs: Any = None) -> Any:
@@ -139,11 +152,16 @@ def param_shardings(plan: Plan, mesh: Mesh, params: Any, param_specs: Any = None
     return _shardings(mesh, specs)
 
 
-def model_state_shardings(mesh: Mesh, model_state: Any, state_specs: Any = None) -> Any:
+def model_state_shardings(
+    mesh: Mesh, model_state: Any, state_specs: Any = None, *, pipeline: bool = False
+) -> Any:
     """Where the model state lives: `state_specs`, by default read from logical axis names
     (a local `fleetjax.layers.BatchNorm`'s statistics split over the data axes; plain arrays
-    replicated)."""
+    replicated). Under a `pipeline` the layers' states (a `PipelineParams` model state) are
+    split over `pp` like the layers' parameters: each with its layer's stage."""
     specs = state_specs if state_specs is not None else partition_specs(model_state, mesh=mesh)
+    if pipeline and isinstance(specs, PipelineParams):
+        specs = _by_stage(specs)
     return _shardings(mesh, specs)
 
 
@@ -167,6 +185,24 @@ def _opt_state_specs(optimizer: optax.GradientTransformation, opt_state: Any, sp
 
     jax.eval_shape(trace)
     return found[0]
+
+
+def _opt_specs(optimizer: optax.GradientTransformation, opt_state: Any, params: Any, specs: Any):
+    """The optimizer state's specs; with sparse tables (a `TablesState`) the dense part's as
+    the optimizer keeps it, the tables' slots split as their rows."""
+    if not isinstance(opt_state, TablesState):
+        return _opt_state_specs(optimizer, opt_state, specs)
+    dense = _opt_state_specs(optimizer, opt_state.dense, without_tables(specs, params))
+    return TablesState(dense, *slot_specs(opt_state, params, specs))
+
+
+def _rows_whole(specs: Any, params: Any) -> Any:
+    """`specs` with a sparse table's gradient (its touched rows) whole on every device."""
+
+    def whole(spec: Any, x: Any) -> Any:  # shaped as the gradient: a SparseTable of rows
+        return x.replace(PartitionSpec()) if is_table(x) else spec
+
+    return jax.tree.map(whole, specs, params, is_leaf=lambda s: _is_spec(s) or is_table(s))
 
 
 def place(
@@ -197,16 +233,18 @@ def place(
         _check_mp_used(mesh, specs)
         zero = _zero_specs(plan, mesh, specs, params)
         memory = "pinned_host" if plan.optimizer_offload else "device"
-        opt_specs = _opt_state_specs(optimizer, abstract_state.opt_state, zero)
+        opt_specs = _opt_specs(optimizer, abstract_state.opt_state, params, zero)
         opt_at = _shardings(mesh, opt_specs, memory)
         params_at = _shardings(mesh, zero if plan.sharding_stage == 3 else specs)
-        grads = _shardings(mesh, zero if plan.sharding_stage >= 2 else specs)
+        grads = _shardings(mesh, _rows_whole(zero if plan.sharding_stage >= 2 else specs, params))
     state = TrainState(
         step=rep,
         params=params_at,
         opt_state=opt_at,
         rng=rep,
         loss_scale=None if abstract_state.loss_scale is None else rep,
-        model_state=model_state_shardings(mesh, abstract_state.model_state, state_specs),
+        model_state=model_state_shardings(
+            mesh, abstract_state.model_state, state_specs, pipeline=plan.pipeline is not None
+        ),
     )
     return Placement(state, grads, batch_sharding(mesh))

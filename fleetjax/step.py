@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from fleetjax._batch import BatchShapes, abstract_batch, check_batch, place_batch
 from fleetjax._chain import Loss, Signature, grad_chain, stage_order
 from fleetjax._checks import check_model_state, check_params, check_state
+from fleetjax._tables import init_state, step_rows
 from fleetjax.distributed_optimizer import bind
 from fleetjax.mesh import (
     batch_sharding,
@@ -67,8 +68,7 @@ class TrainStep:
     ) -> None:
         self.loss_fn, self.signature = loss_fn, signature
         self.strategy, self.plan, self.mesh = optimizer.strategy, optimizer.plan, optimizer.mesh
-        merge = self.plan.gradient_merge
-        inner = optimizer.inner
+        inner, merge = optimizer.inner, self.plan.gradient_merge
         if merge is not None and not merge.in_step:
             inner = gradient_merge.across_calls(inner, merge.k_steps, merge.avg)
         self.optimizer: optax.GradientTransformation = inner
@@ -111,11 +111,10 @@ class TrainStep:
     def _initial_state(self, params: Any, rng: jax.Array, model_state: Any) -> TrainState:
         scaling = self.plan.amp.loss_scaling if self.plan.amp else None
         loss_scale = None if scaling is None else DynamicLossScale.create(**vars(scaling))
-        replicas = data_parallel_size(self.mesh)
         stack = lambda tree: jax.tree.map(  # noqa: E731 (every replica starts alike)
-            lambda x: jnp.broadcast_to(x, (replicas, *x.shape)), tree
+            lambda x: jnp.broadcast_to(x, (data_parallel_size(self.mesh), *x.shape)), tree
         )
-        opt_state = self.optimizer.init(params)
+        params, opt_state = init_state(self.plan, self.mesh, self.optimizer, params)
         opt_state = stack(opt_state) if self.plan.per_replica else opt_state
         params = stack(params) if self.plan.replica_params else params
         return TrainState(jnp.zeros((), jnp.int32), params, opt_state, rng, loss_scale, model_state)
@@ -137,15 +136,14 @@ class TrainStep:
         key: jax.Array | None,
         agree: Callable[[jax.Array], jax.Array],
     ) -> tuple[TrainState, dict[str, Any]]:
-        """The update: gradients from the chain, then the optimizer, or under loss scaling the
-        unscale, the finite check (`agree` makes replicas decide alike) and the step or its
-        skip."""
-        placement = self.placement
-        # Per-replica optimizers communicate themselves: their chain does not reduce.
-        chain = (self.loss_fn, self.plan, self.mesh, placement, self.signature)
+        """The update: gradients from the chain (a sparse table's for the rows the batch touches;
+        per-replica optimizers reduce their own), then the optimizer, or under loss scaling the
+        unscale, the finite check (`agree` makes replicas decide alike) and the step or its skip."""
+        placement, rest = self.placement, () if key is None else (key,)
+        rows = step_rows(self.plan, self.mesh, self.loss_fn, self.signature, state, batch, rest)
+        chain = (rows.loss_fn, self.plan, self.mesh, placement, self.signature)
         grad_fn = grad_chain(*chain, state.loss_scale, reduce=not self.plan.per_replica)
-        rest = () if key is None else (key,)
-        out, grads = grad_fn(state.params, state.model_state, batch, *rest)
+        out, grads = grad_fn(rows.params, state.model_state, batch, *rest)
         if placement.grads is not None:  # ZeRO-2/3: each device keeps its shard
             grads = constrain(grads, placement.grads)
         opt_state = state.opt_state
@@ -156,6 +154,8 @@ class TrainStep:
 
         def apply(grads: Any) -> tuple[Any, Any]:
             # `value` is the loss, which Adaptive LocalSGD adapts its interval to.
+            if rows.tables is not None:  # each table's rule on its touched rows, too
+                return rows.apply(optimizer, grads, opt_state, state.params, state.step, out.loss)
             updates, new_opt = optimizer.update(grads, opt_state, state.params, value=out.loss)
             return optax.apply_updates(state.params, updates), new_opt
 
@@ -167,7 +167,7 @@ class TrainStep:
                 apply, kept, grads, scale, agree
             )
         new = TrainState(state.step + 1, params, opt_state, state.rng, loss_scale, out.model_state)
-        return new, {"loss": out.loss, **out.aux, **extra}
+        return new, {"loss": out.loss, **out.aux, **extra, **rows.metrics}
 
     # -- the public surface ----------------------------------------------------------------
     def abstract_init(
@@ -178,7 +178,7 @@ class TrainStep:
         `jax.ShapeDtypeStruct`s, e.g. to `lower` the step for devices that are not there."""
         check_model_state(self.signature.has_state, model_state)
         check_params(params)
-        params = stage_order(params, self.plan, self.loss_fn, self.mesh)
+        params, model_state = stage_order(params, model_state, self.plan, self.loss_fn, self.mesh)
         rng = jax.eval_shape(lambda: jax.random.PRNGKey(seed)) if isinstance(seed, int) else seed
         abstract = jax.eval_shape(self._initial_state, params, rng, model_state)
         self._see(abstract)
@@ -189,7 +189,7 @@ class TrainStep:
         (an int, or raw key data) and, with `has_state`, the `model_state` placed."""
         check_model_state(self.signature.has_state, model_state)
         check_params(params)
-        params = stage_order(params, self.plan, self.loss_fn, self.mesh)
+        params, model_state = stage_order(params, model_state, self.plan, self.loss_fn, self.mesh)
         rng = jax.random.PRNGKey(seed) if isinstance(seed, int) else jnp.asarray(seed)
         placement = self._see(jax.eval_shape(self._initial_state, params, rng, model_state))
         # Each device receives only its part (under ZeRO-3, 1/N of each parameter).
@@ -317,7 +317,8 @@ def make_train_step(
         `loss_fn(params, model_state, batch[, rng])` and returns `(loss, new_model_state)`, or
         `(loss, aux_dict, new_model_state)` with `has_aux`; `TrainState.model_state` keeps it
         (give the first to `step.init(params, model_state=...)`). Under in-step gradient
-        merge the micro-batches' new float states are averaged.
+        merge and a pipeline (a `PipelineParams` state) micro-batches' new float states are
+        averaged.
       state_specs: `PartitionSpec`s like the model state (default: from its logical axis
         names, e.g. a local `fleetjax.layers.BatchNorm`'s statistics split over the data
         axes; plain arrays replicated).
@@ -336,15 +337,12 @@ def make_train_step(
             "found = fleetjax.auto.search(loss_fn, optimizer, params, batch, strategy=strategy), "
             "then step = found.make_train_step() (or edit found.strategy first)"
         )
-    if plan.pipeline is not None:
-        if not isinstance(loss_fn, PipelineLayer):
-            raise TypeError(
-                "the strategy asks for a pipeline, which needs the model cut into stages: "
-                "pass fleetjax.PipelineLayer(embed, stage, head_loss) as the loss, with "
-                f"PipelineParams, not {type(loss_fn).__name__}"
-            )
-        if has_state:
-            raise ValueError("the pipeline takes no model state yet")
+    if plan.pipeline is not None and not isinstance(loss_fn, PipelineLayer):
+        raise TypeError(
+            "the strategy asks for a pipeline, which needs the model cut into stages: "
+            "pass fleetjax.PipelineLayer(embed, stage, head_loss) as the loss, with "
+            f"PipelineParams, not {type(loss_fn).__name__}"
+        )
     return TrainStep(
         loss_fn, bound, Signature(has_aux, has_rng, has_state), param_specs, state_specs
     )

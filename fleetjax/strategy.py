@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fleetjax import _prototxt, _schema
-from fleetjax._config import Message, MessageSpec
+from fleetjax._config import FrozenList, Message, MessageSpec, UnknownFieldError
 from fleetjax._prototxt import PrototxtError
 from fleetjax._warnings import warn_once
 
@@ -117,14 +117,35 @@ hybrid_configs={'dp_degree': 2, 'mp_degree': 4})
         if name in _ALIASES:
             *parents, leaf = _ALIASES[name]
             return self._descend(parents)._get(leaf)
+        if name == "sparse_table_configs":
+            return self._sparse_table_configs()
         return super().__getattr__(name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _ALIASES:
             *parents, leaf = _ALIASES[name]
             self._descend(parents).update({leaf: value})
+        elif name == "sparse_table_configs":
+            self.update({"downpour_table_param": _tables_from(value)})
+        elif name == "a_sync":
+            # Paddle's setter: True is asynchronous and False synchronous training, so it also
+            # sets a_sync_configs.k_steps to 0 (Geo-SGD is k_steps > 0, set after a_sync).
+            super().__setattr__(name, value)
+            self.a_sync_configs.update({"k_steps": 0})
         else:
             super().__setattr__(name, value)
+
+    def _sparse_table_configs(self) -> FrozenList:
+        """Paddle's `sparse_table_configs` getter: the tables of `downpour_table_param`, each a
+        `TableParameter` config with every field readable (defaults included). They are
+        copies: assign `sparse_table_configs` (or `downpour_table_param`) to change them."""
+        spec = _schema.TABLE_PARAMETER
+        found = []
+        for i, values in enumerate(self.downpour_table_param):
+            table = Message._make(spec, f"sparse_table_configs[{i}]")
+            table.update(values)
+            found.append(table)
+        return FrozenList(found)
 
     def _descend(self, path: list[str]) -> Message:
         target: Message = self
@@ -170,7 +191,7 @@ hybrid_configs={'dp_degree': 2, 'mp_degree': 4})
         return cls().load_from_prototxt(pb_file)
 
     def __dir__(self) -> list[str]:
-        return sorted(set(super().__dir__()) | set(_ALIASES))
+        return sorted(set(super().__dir__()) | set(_ALIASES) | {"sparse_table_configs"})
 
     def _enable_env(self) -> None:
         """Paddle's `_enable_env`: export the strategy's process-wide tuning as Paddle's
@@ -190,6 +211,66 @@ hybrid_configs={'dp_degree': 2, 'mp_degree': 4})
         }
         for key, value in values.items():
             os.environ[key] = str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _tables_from(configs: Any) -> list[dict[str, Any]]:
+    """`downpour_table_param` from Paddle's `sparse_table_configs` value: ``{table_name:
+    config}``, each config in Paddle's dotted form (``{"table_parameters.<name>.accessor.
+    embed_sgd_param.adagrad.learning_rate": 0.05, "table_parameters.<name>.accessor.
+    table_accessor_save_param.num": 2, ...}``, a list value giving each element of a repeated
+    message its own) or as nested dicts (``{"accessor": {"embed_sgd_param": {...}}}``).
+    Unlike Paddle, which appends the tables and skips keys it does not know, the tables replace
+    the old ones and an unknown key raises."""
+    if not isinstance(configs, Mapping):
+        raise TypeError(
+            "sparse_table_configs must be a dict of {table_name: config}, got "
+            f"{type(configs).__name__}"
+        )
+    tables = []
+    for name, config in configs.items():
+        if not isinstance(name, str) or not isinstance(config, Mapping):
+            raise TypeError(
+                f"sparse_table_configs: {name!r} must map a table name to a dict of settings"
+            )
+        prefix = f"table_parameters.{name}"
+        if any(str(key).startswith("table_parameters.") for key in config):
+            used: set[str] = set()
+            values = _dotted(_schema.TABLE_PARAMETER, prefix, config, 0, used)
+            unknown = sorted(set(config) - used)
+            if unknown:
+                raise UnknownFieldError(
+                    f"sparse_table_configs[{name!r}]: {unknown} name no TableParameter field "
+                    f"(keys are {prefix}.<field path>, e.g. {prefix}.accessor.embed_sgd_param."
+                    "adagrad.learning_rate)"
+                )
+        else:
+            values = dict(config)
+        tables.append({**values, "table_name": name})
+    return tables
+
+
+def _dotted(
+    spec: MessageSpec, prefix: str, config: Mapping[str, Any], index: int, used: set[str]
+) -> dict[str, Any]:
+    """The values under `prefix` of Paddle's dotted table config, for element `index` of a
+    repeated message (a list value gives each element its own entry)."""
+    out: dict[str, Any] = {}
+    for f in spec.fields:
+        key = f"{prefix}.{f.name}"
+        if f.is_message and f.repeated:
+            if key + ".num" in config:
+                used.add(key + ".num")
+                count = config[key + ".num"]
+                out[f.name] = [_dotted(f.type, key, config, i, used) for i in range(count)]
+        elif f.is_message:
+            nested = _dotted(f.type, key, config, index, used)
+            if nested:
+                out[f.name] = nested
+        elif key in config:
+            used.add(key)
+            value = config[key]
+            out[f.name] = value[index] if isinstance(value, list) and not f.repeated else value
+    return out
 
 
 def _with_seed_defaults(spec: MessageSpec, values: dict[str, Any]) -> dict[str, Any]:

@@ -18,6 +18,8 @@ import fleetjax
 # is installed (the `aot` extra), and log the plugin's failed CUDA-library check.
 jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
 
+pytest_plugins = ["launching"]  # the `launcher` fixture of the tests that run fleetjax-run
+
 
 @pytest.fixture(autouse=True)
 def _fresh_warnings():

@@ -1,19 +1,52 @@
-"""A worker for tests/test_launch.py, started by `python -m fleetjax.launch`.
+"""A worker for tests/test_launch.py and tests/test_launch_faults.py, started by
+`python -m fleetjax.launch`.
 
     launch_worker.py env ARGS...   print the launcher's variables and ARGS as JSON, exit 0
-    launch_worker.py fail          worker 1 exits with code 3; the others wait
+    launch_worker.py fail          worker 1 exits with code 3 once all have started; the
+                                   others wait
     launch_worker.py train         join the others with fleet.init(), then synchronise with
                                    them forever (as a training loop does)
+    launch_worker.py raise         join the others with fleet.init(); worker 1 raises at once
+                                   (after printing `raising at <time.time()>`), the others
+                                   compute
+    launch_worker.py hang          worker 1 prints nothing more and sleeps; the others call
+                                   fleetjax.launch.heartbeat() without printing
+    launch_worker.py spawn         start a child (in the worker's process group) and a detached
+                                   grandchild (a session of its own), print their pids, wait
+    launch_worker.py chatty N      worker 0 prints N numbered lines over about 2 s, exit 0
 
 Every worker first prints `pid=<its pid>`, so a test can find (and clean up) each process.
 """
 
 import json
 import os
+import pathlib
+import subprocess
 import sys
 import time
 
-PREFIXES = ("PADDLE_", "JAX_", "CUDA_VISIBLE_DEVICES", "FLAGS_selected_gpus")
+PREFIXES = ("PADDLE_", "JAX_", "CUDA_VISIBLE_DEVICES", "FLAGS_selected_gpus", "FLEETJAX_")
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
+
+
+def _joined(rank: int) -> None:
+    from fleetjax import fleet
+
+    fleet.init(is_collective=True)
+    fleet.barrier_worker()
+    print(f"ready: worker {fleet.worker_index()} of {fleet.worker_num()}", flush=True)
+
+
+def _wait_until_all_started() -> None:
+    """Until every worker of this node logged its pid (so that a test can track it)."""
+    log_dir = pathlib.Path(os.environ["FLEETJAX_HEARTBEAT_FILE"]).parent  # this worker's log's
+    count = int(os.environ["PADDLE_TRAINERS_NUM"])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        logs = [log_dir / f"workerlog.{rank}" for rank in range(count)]
+        if all(log.exists() and "pid=" in log.read_text() for log in logs):
+            return
+        time.sleep(0.05)
 
 
 def main(mode: str, args: list[str]) -> int:
@@ -25,7 +58,7 @@ def main(mode: str, args: list[str]) -> int:
         return 0
     if mode == "fail":
         if rank == 1:
-            time.sleep(0.5)
+            _wait_until_all_started()
             print("worker 1 fails", flush=True)
             return 3
         time.sleep(600)
@@ -33,12 +66,39 @@ def main(mode: str, args: list[str]) -> int:
     if mode == "train":
         from fleetjax import fleet
 
-        fleet.init(is_collective=True)
-        fleet.barrier_worker()
-        print(f"ready: worker {fleet.worker_index()} of {fleet.worker_num()}", flush=True)
+        _joined(rank)
         while True:
             fleet.barrier_worker()
             time.sleep(0.1)
+    if mode == "raise":
+        import jax.numpy as jnp
+
+        _joined(rank)
+        if rank == 1:
+            print(f"raising at {time.time()}", flush=True)
+            raise RuntimeError("worker 1 fails on purpose")
+        while True:  # computes, as worker 0 of a real job would
+            jnp.ones((64, 64)).sum().block_until_ready()
+    if mode == "hang":
+        from fleetjax import launch
+
+        print(f"worker {rank} works", flush=True)  # after the import's seconds of silence
+        while True:
+            if rank != 1:
+                launch.heartbeat()
+            time.sleep(0.2)
+    if mode == "spawn":
+        child = subprocess.Popen(SLEEPER)
+        grandchild = subprocess.Popen(SLEEPER, start_new_session=True)
+        print(f"child={child.pid} detached={grandchild.pid}", flush=True)
+        time.sleep(600)
+        return 0
+    if mode == "chatty":
+        if rank == 0:
+            for i in range(int(args[0])):
+                print(f"line {i}", flush=True)
+                time.sleep(2 / int(args[0]))
+        return 0
     raise ValueError(f"unknown mode {mode!r}")
 
 

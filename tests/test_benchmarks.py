@@ -93,3 +93,21 @@ def test_unknown_benchmark_is_refused():
     )
     assert done.returncode == 2
     assert "argument --only: invalid choice: 'nope'" in done.stderr
+
+
+@pytest.mark.slow
+def test_sparse_tables_step_stays_flat_as_the_table_grows(tmp_path):
+    command = [sys.executable, str(RUN), "--quick", "--out", str(tmp_path), "--only"]
+    done = subprocess.run([*command, "sparse_tables"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    record = json.loads((tmp_path / "results" / "sparse_tables.json").read_text())
+    sparse = [r for r in record["rows"] if r.get("table") == "sparse"]
+    dense = [r for r in record["rows"] if r.get("table") == "dense"]
+    assert [r["V"] for r in sparse] == [10**5, 10**6, 10**7]
+    assert sparse[-1]["step ms"] < 1.5 * sparse[0]["step ms"]
+    assert len({r["KiB sent per step"] for r in sparse}) == 1  # bytes follow the batch, not V
+    assert dense[-1]["KiB sent per step"] > 500 * sparse[-1]["KiB sent per step"]
+    # The table's eighth per device: 10^7 rows x 16 floats / 8.
+    assert sparse[-1]["arguments MiB per device"] == pytest.approx(
+        10**7 * 16 * 4 / 8 / 2**20, rel=0.05
+    )

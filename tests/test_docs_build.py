@@ -1,7 +1,9 @@
 """The documentation site builds without a warning, and its API reference covers the public API."""
 
+import html
 import importlib
 import inspect
+import json
 import os
 import pathlib
 import re
@@ -27,6 +29,7 @@ PUBLIC_MODULES = (
     "fleetjax.optimizers",
     "fleetjax.mesh",
     "fleetjax.checkpoint",
+    "fleetjax.data",
     "fleetjax.export",
     "fleetjax.plan",
     "fleetjax.placement",
@@ -160,3 +163,33 @@ def test_amp_page_lists_every_paddle_operator():
         operators, primitives = (re.findall(r"`([^`]+)`", cell) for cell in row.split("|")[1:3])
         documented.update(dict.fromkeys(operators, tuple(primitives)))
     assert documented == amp.PADDLE_OPS
+
+
+def test_the_notebooks_are_pages_with_their_outputs_and_plots(site):
+    site_dir, build = site
+    assert build.returncode == 0, "the site did not build; see test_docs_build_in_strict_mode"
+    notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
+    assert len(notebooks) == 6
+    for path in notebooks:
+        page = site_dir / "notebooks" / path.stem / "index.html"
+        page_html = page.read_text()
+        cells = json.loads(path.read_text())["cells"]
+        plots = sum(
+            "image/png" in output.get("data", {})
+            for cell in cells
+            if cell["cell_type"] == "code"
+            for output in cell["outputs"]
+        )
+        images = re.findall(r'<img alt="png" src="([^"]+)"', page_html)
+        assert len(images) == plots, path.name
+        assert all((page.parent / src).resolve().is_file() for src in images), images
+        printed = [  # the first line of each printed output is on the page
+            "".join(output["text"]).splitlines()[0]
+            for cell in cells
+            if cell["cell_type"] == "code"
+            for output in cell["outputs"]
+            if output["output_type"] == "stream" and output["name"] == "stdout"
+        ]
+        text = html.unescape(re.sub(r"<[^>]+>", "", page_html))
+        missing = [line for line in printed if line.strip() not in text]
+        assert not missing, f"{path.name}: printed outputs not on its page: {missing}"

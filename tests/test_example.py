@@ -5,13 +5,15 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 import fleetjax
 
 EXAMPLE = pathlib.Path(__file__).parents[1] / "examples" / "train_digits.py"
 
 
-def run(*args: str) -> tuple[str, str]:
-    """(the final summary line, the progress bar output)."""
+def output(*args: str) -> tuple[str, str]:
+    """(what the example printed, its progress bar output)."""
     env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
     out = subprocess.run(
         [sys.executable, str(EXAMPLE), *args],
@@ -21,12 +23,20 @@ def run(*args: str) -> tuple[str, str]:
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
-    return out.stdout.strip().splitlines()[-1], out.stderr
+    return out.stdout, out.stderr
+
+
+def run(*args: str) -> tuple[str, str]:
+    """(the final summary line, the progress bar output)."""
+    printed, progress = output(*args)
+    return printed.strip().splitlines()[-1], progress
 
 
 def test_trains_and_prints_a_summary():
     summary, progress = run("--steps", "150")
     assert "training: 100%" in progress
+    # 150 steps of 256 of the 1437 training images: 5 batches an epoch.
+    assert "epoch=30.0, input_wait=" in progress and "samples=38,400" in progress
     assert "8 cpu devices, mesh {'dp': 8, 'pp': 1, 'sharding': 1, 'mp': 1}" in summary
     accuracy = float(summary.split("test accuracy ")[1].split("%")[0])
     assert accuracy > 90, summary
@@ -58,3 +68,18 @@ def test_every_switch_trains():
     flags = ["--amp", "--recompute", "--gradient-merge", "2", "--fp16-allreduce"]
     summary, _ = run("--steps", "100", *flags)
     assert accuracy(summary) > 85, summary
+
+
+def test_prints_the_strategy_in_effect_and_writes_tensorboard_scalars(tmp_path):
+    pytest.importorskip("tensorboardX")
+    from test_examples import event_scalars
+
+    printed, _ = output("--steps", "40", "--amp", "--tensorboard", str(tmp_path))
+    strategy = fleetjax.DistributedStrategy(amp=True, amp_configs={"dtype": "bfloat16"})
+    applied = fleetjax.applied_strategy(strategy, fleetjax.build_mesh(dp=8), flags_in_effect=())
+    assert str(applied) + "\n" in printed
+    scalars = event_scalars(tmp_path)
+    assert set(scalars) == {"train/loss", "train/accuracy"}
+    assert [step for step, _ in scalars["train/loss"]] == [20, 40]
+    final_loss = float(printed.split("final loss ")[1].split(" ")[0])
+    assert scalars["train/loss"][-1][1] == pytest.approx(final_loss, abs=1e-4)

@@ -73,7 +73,8 @@ def test_gpt_trains_dp2_pp2_mp2_from_its_strategy_file():
     assert summary["last"] < summary["first"] - 1.5
     assert [m["step"] for m in metrics] == [10, 20, 30]
     assert metrics[-1]["loss"] == summary["last"]
-    assert all(m["tokens"] > 0 for m in metrics)
+    assert all(m["tokens"] > 0 and m["input_wait_ms"] >= 0 for m in metrics)
+    assert "samples=960" in progress  # 30 steps of 32 windows
 
 
 def test_gpt_trains_with_dropout_under_the_pipeline():
@@ -149,9 +150,10 @@ def test_tensorboard_scalars_are_the_printed_metrics(resnet_run):
         "train/loss",
         "train/accuracy",
         "train/loss_scale",
+        "train/input_wait_ms",
         "train/images_per_second",
     }
-    for name in ("loss", "accuracy"):
+    for name in ("loss", "accuracy", "input_wait_ms"):
         got = [(step, round(value, 4)) for step, value in scalars[f"train/{name}"]]
         assert got == [(m["step"], m[name]) for m in metrics]
     rates = [value for _, value in scalars["train/images_per_second"]]

@@ -73,12 +73,10 @@ class TestRoleMakers:
         with pytest.raises(TypeError, match="worker index must be int"):
             UserDefinedRoleMaker(current_id="0")
 
-    def test_parameter_server_mode_is_refused(self):
-        with pytest.raises(NotImplementedError, match="parameter-server mode is not supported"):
-            PaddleCloudRoleMaker(is_collective=False, environ={})
-        with pytest.raises(NotImplementedError, match="parameter-server"):
+    def test_parameter_server_settings_need_parameter_server_mode(self):
+        with pytest.raises(ValueError, match="server_endpoints and role=Role.SERVER are"):
             UserDefinedRoleMaker(role=Role.SERVER)
-        with pytest.raises(NotImplementedError, match="parameter-server"):
+        with pytest.raises(ValueError, match="pass is_collective=False"):
             UserDefinedRoleMaker(server_endpoints=["h:1"])
 
 
@@ -118,8 +116,6 @@ class TestFleet:
         assert fresh_fleet.strategy.hybrid_configs["mp_degree"] == 2
 
     def test_init_errors(self, fresh_fleet):
-        with pytest.raises(NotImplementedError, match="parameter-server"):
-            fresh_fleet.init(is_collective=False)
         with pytest.raises(TypeError, match="is_collective must be bool"):
             fresh_fleet.init(is_collective="yes")
         with pytest.raises(TypeError, match="role_maker must be a fleetjax role maker"):

@@ -106,6 +106,33 @@ def test_places_an_nnx_model_as_the_step_places_its_parameters():
     assert placed["down"]["weight"] == P("mp", "sharding")
 
 
+def test_places_batch_norm_statistics_as_the_step_places_its_model_state():
+    """The drift case: ZeRO-3 splits large parameters over `sharding`; batch-norm statistics
+    are model state, which the step places by their logical names and never splits by ZeRO's
+    rule (a copy of the placement code in distributed_model split the large ones too)."""
+    zero3 = DS(
+        sharding=True, sharding_configs={"stage": 3, "sharding_degree": 8}, sync_batch_norm=True
+    )
+    mesh = mesh_for(read_plan(zero3))
+
+    class Wide(nnx.Module):
+        def __init__(self) -> None:
+            self.linear = nnx.Linear(4, 8192, rngs=nnx.Rngs(0))
+            self.norm = nnx.BatchNorm(8192, rngs=nnx.Rngs(1))
+
+    model = distributed_model(Wide(), zero3, mesh)
+    stats = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
+    step = fleetjax.make_train_step(
+        lambda p, s, b: (0.0, s), optax.sgd(0.1), zero3, mesh, has_state=True
+    )
+    state = step.init(pure_params(model), model_state=jax.tree.map(jnp.copy, stats))
+    same = lambda a, b: a.sharding.is_equivalent_to(b.sharding, a.ndim)  # noqa: E731
+    assert all(jax.tree.leaves(jax.tree.map(same, stats, state.model_state)))
+    assert stats["norm"]["mean"].sharding.is_fully_replicated  # 8192 statistics on every device
+    assert jax.tree.map(spec_of, pure_params(model)) == jax.tree.map(spec_of, state.params)
+    assert pure_params(model)["linear"]["kernel"].sharding.spec == P(None, "sharding")
+
+
 def test_places_pytrees_and_linen_variables():
     strategy = DS(hybrid_configs={"dp_degree": 4, "mp_degree": 2})
     mesh = mesh_for(read_plan(strategy))
@@ -417,7 +444,7 @@ def fresh_fleet(monkeypatch):
 def test_fleet_trains_the_distributed_model(fresh_fleet):
     f = fresh_fleet.init(strategy=DS())
     data = batches(3)
-    with pytest.raises(RuntimeError, match=r"fleet.minimize\(loss_fn, batch\) or"):
+    with pytest.raises(RuntimeError, match=r"call fleet.distributed_optimizer\(optimizer\) first"):
         f.get_lr()
     with pytest.raises(
         RuntimeError, match=r"call fleet.distributed_model\(model\) before training"
@@ -439,6 +466,173 @@ def test_fleet_trains_the_distributed_model(fresh_fleet):
 
     f.minimize(mae, data[2])
     assert f.trainer.loss_fn is mae and int(f.trainer.state.step) == 3
+
+
+def seed_004_batch(rows=16, seed=0):
+    rng = np.random.RandomState(seed)
+    return {"x": rng.randn(rows, 4).astype(np.float32), "y": rng.randn(rows, 1).astype(np.float32)}
+
+
+def test_the_optimizer_does_seed_004s_calls_on_the_fleets_trainer(fresh_fleet):
+    """Seed 004: `adam = fleet.distributed_optimizer(adam)`, then `adam.get_lr()`,
+    `adam.set_lr(...)`, `adam.state_dict()` before training, then `loss.backward();
+    adam.step(); adam.clear_grad()` and `adam.minimize(loss)`."""
+    f = fresh_fleet.init(strategy=DS())
+    adam = f.distributed_optimizer(optimizers.Adam(learning_rate=0.01))
+    assert isinstance(adam, fleetjax.DistributedOptimizer) and adam.fleet is f
+    model = f.distributed_model(MLP())
+    assert adam.get_lr() == 0.01 and f.get_lr() == 0.01  # Paddle's print(lr): 0.01
+    assert adam.state_dict() == {}  # Paddle's optimizer makes its state at the first step
+    adam.set_state_dict({})
+    for lr in [0.2, 0.3, 0.4, 0.5, 0.6]:  # Paddle's example prints exactly these
+        adam.set_lr(lr)
+        assert adam.get_lr() == lr
+    adam.clear_grad()  # nothing to clear yet
+
+    data = [seed_004_batch(seed=i) for i in range(3)]
+    expected, expected_params = functional_losses(DS(), optimizers.adam(0.6), data)
+    adam.backward(mse, data[0])
+    losses = [float(adam.step())]
+    adam.clear_grad()
+    losses += [float(adam.minimize(mse, batch)) for batch in data[1:]]
+    np.testing.assert_allclose(losses, expected, rtol=1e-6)
+    jax.tree.map(np.testing.assert_array_equal, pure_params(model), jax.device_get(expected_params))
+    assert adam.get_lr() == 0.6 and f.trainer.loss_fn is mse
+    first = adam.state_dict()["0"]["inner_state"]["0"]["mu"]["l1"]["kernel"]
+    assert first.shape == (4, 8) and np.abs(first).sum() > 0
+
+
+def test_state_set_before_training_is_loaded_when_the_trainer_is_made(fresh_fleet):
+    f = fresh_fleet.init(strategy=DS())
+    data = seed_004_batch()
+    trained = Trainer(mse, MLP(), optimizers.sgd(0.1))
+    trained.minimize(data)
+    saved = jax.device_get(trained.state_dict())
+    opt = f.distributed_optimizer(optimizers.momentum(0.1))
+    f.distributed_model(MLP())
+    with pytest.raises(TypeError, match="state_dict must be a nested dict of arrays, got list"):
+        opt.set_state_dict([])
+    opt.set_state_dict(saved)  # an SGD's state: it does not fit the momentum's
+    with pytest.raises(ValueError, match=r"state_dict does not fit this optimizer state"):
+        opt.minimize(mse, data)
+    opt = f.distributed_optimizer(optimizers.sgd(0.5))
+    opt.set_state_dict(saved)  # the rate 0.1 comes with the state; set_lr goes on top
+    opt.set_lr(0.3)
+    opt.minimize(mse, data)
+    assert opt.get_lr() == 0.3
+
+
+def test_an_optimizer_a_later_call_replaced_refuses(fresh_fleet):
+    f = fresh_fleet.init(strategy=DS())
+    first = f.distributed_optimizer(optimizers.sgd(0.1))
+    f.distributed_optimizer(optimizers.sgd(0.2))
+    with pytest.raises(RuntimeError, match=r"replaced by a later fleet.distributed_optimizer"):
+        first.get_lr()
+
+
+def test_a_functional_distributed_optimizer_points_to_the_fleets():
+    opt = fleetjax.distributed_optimizer(optimizers.sgd(0.1))
+    with pytest.raises(AttributeError, match=r"has no step\(\): .* fleet.distributed_optimizer"):
+        opt.step()
+    with pytest.raises(AttributeError, match="'DistributedOptimizer' object has no attribute 'x'"):
+        _ = opt.x
+
+
+def test_learning_rate_calls_before_training_check_as_after(fresh_fleet):
+    f = fresh_fleet.init(strategy=DS())
+    with pytest.raises(RuntimeError, match=r"call fleet.distributed_optimizer\(optimizer\) first"):
+        f.state_dict()
+    f.distributed_optimizer(optimizers.sgd(optax.linear_schedule(0.5, 0.0, 10)))
+    assert f.get_lr() == 0.5
+    with pytest.raises(ValueError, match="cannot change a learning rate that follows a schedule"):
+        f.set_lr(0.1)
+    f.distributed_optimizer(optimizers.sgd(0.1))
+    with pytest.raises(TypeError, match="set_lr needs a number"):
+        f.set_lr("fast")
+    f.distributed_optimizer(optax.sgd(0.1))
+    with pytest.raises(ValueError, match="holds no injected learning rate"):
+        f.get_lr()
+
+
+def test_paddles_save_persistables_saves_the_fleets_trainer(fresh_fleet, tmp_path):
+    f = fresh_fleet.init(strategy=DS())
+    opt = f.distributed_optimizer(optimizers.adam(0.01))
+    f.distributed_model(MLP())
+    with pytest.raises(RuntimeError, match=r"save_persistables\(executor, dirname\) saves the"):
+        f.save_persistables(None, tmp_path / "a")
+    opt.minimize(mse, seed_004_batch())
+    StrategyWarning.reset()
+    with pytest.warns(StrategyWarning, match=r"executor= has no meaning in JAX") as record:
+        f.save_persistables(object(), tmp_path / "a")
+        f.save_persistables(executor=object(), dirname=tmp_path / "b", main_program=None)
+    assert len(record) == 1
+    state = f.trainer.state
+    for name in ("a", "b"):
+        restored = f.load_persistables(tmp_path / name, state)
+        jax.tree.map(np.testing.assert_array_equal, restored, state)
+    f.save_persistables(tmp_path / "c", {"w": jnp.ones(3)})  # fleetjax's form
+    f.save_persistables(dirname=tmp_path / "d", state={"w": jnp.ones(3)})
+    assert f.load_persistables(tmp_path / "d", {"w": jnp.zeros(3)})["w"].tolist() == [1.0] * 3
+
+
+class Classifier(nnx.Module):
+    def __init__(self) -> None:
+        self.l1 = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+        self.norm = nnx.BatchNorm(8, rngs=nnx.Rngs(1))
+        self.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(2))
+        self.l2 = nnx.Linear(8, 1, rngs=nnx.Rngs(3))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.l2(self.drop(jax.nn.relu(self.norm(self.l1(x)))))
+
+
+def test_paddles_save_inference_model_exports_the_trained_model(fresh_fleet, tmp_path):
+    f = fresh_fleet.init(strategy=DS(sync_batch_norm=True))
+    opt = f.distributed_optimizer(optimizers.sgd(0.1))
+    model = f.distributed_model(Classifier())
+    batch = seed_004_batch()
+    opt.minimize(mse, batch)
+    opt.minimize(mse, batch)
+
+    def predict(model, feeds):
+        return model(feeds["x"])
+
+    StrategyWarning.reset()
+    with pytest.warns(StrategyWarning, match=r"main_program= has no meaning in JAX"):
+        f.save_inference_model(None, tmp_path, ["x", "y"], [predict, mse], main_program="main")
+    exported = f.load_inference_model(tmp_path)
+    model.eval()  # Paddle's inference program: running statistics, no dropout
+    expected = model(batch["x"][:8])[:5]  # (the fleet's model splits its rows over 8 devices)
+    outputs = exported(batch["x"][:5], batch["y"][:5])  # any number of rows
+    np.testing.assert_allclose(outputs[0], expected, rtol=1e-6)
+    np.testing.assert_allclose(outputs[1], np.mean((expected - batch["y"][:5]) ** 2), rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "message"),
+    [
+        ((None, "d", ["z"], []), {}, ValueError, r"\['z'\] are not in the batch .* \['x', 'y'\]"),
+        ((None, "d", "x", []), {}, TypeError, r"feeded_var_names must be a non-empty list"),
+        ((None, "d", ["x"], ["out"]), {}, TypeError, r"target_vars must be a list of functions"),
+        (
+            (None, "d", ["x"], [mse]),
+            {"export_for_deployment": False},
+            ValueError,
+            r"export_for_deployment must be True",
+        ),
+    ],
+)
+def test_paddles_save_inference_model_says_what_is_wrong(
+    fresh_fleet, tmp_path, args, kwargs, error, message
+):
+    f = fresh_fleet.init(strategy=DS())
+    opt = f.distributed_optimizer(optimizers.sgd(0.1))
+    f.distributed_model(MLP())
+    with pytest.raises(RuntimeError, match=r"the fleet has not trained yet"):
+        f.save_inference_model(None, tmp_path, ["x"], [mse])
+    opt.minimize(mse, seed_004_batch())
+    with pytest.raises(error, match=message):
+        f.save_inference_model(*args, **kwargs)
 
 
 # -- applied_strategy and explain ----------------------------------------------------------------

@@ -1,80 +1,22 @@
-"""fleetjax.launch (fleetjax-run): the processes it plans and starts, their logs, and that no
-worker outlives a failure, a kill or Ctrl-C."""
+"""fleetjax.launch (fleetjax-run): the processes it plans and starts, their variables and logs,
+Paddle's options, usage errors, and where the coordinator listens. Faults (a worker that fails,
+hangs or is killed; a launcher that is stopped or killed) are in test_launch_faults.py."""
 
+import ipaddress
 import json
-import os
 import pathlib
 import re
-import signal
 import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
+from launching import ENV, WORKER, free_port, wait_for
 
 from fleetjax import launch
 
-HERE = pathlib.Path(__file__).parent
-WORKER = HERE / "launch_worker.py"
-EXAMPLE = HERE.parent / "examples" / "train_digits.py"
-ENV = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie, dead but not yet reaped, counts as gone)."""
-    try:
-        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rpartition(")")[2].split()[0] != "Z"
-
-
-def worker_pids(log_dir: pathlib.Path) -> dict[int, int]:
-    """{rank: pid} of the workers that have started, from their logs."""
-    pids = {}
-    for log in log_dir.glob("workerlog.*"):
-        if m := re.search(r"^pid=(\d+)$", log.read_text(), re.M):
-            pids[int(log.suffix[1:])] = int(m.group(1))
-    return pids
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} within {timeout} s")
-        time.sleep(0.1)
-
-
-@pytest.fixture
-def launcher(tmp_path):
-    """Start `python -m fleetjax.launch`; whatever happens, kill it and its workers after."""
-    started = []
-
-    def start(*args: str, log_dir: pathlib.Path | None = None) -> subprocess.Popen:
-        log_dir = log_dir or tmp_path / "log"
-        command = [sys.executable, "-m", "fleetjax.launch", "--log_dir", str(log_dir), *args]
-        proc = subprocess.Popen(
-            command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        started.append((proc, log_dir))
-        return proc
-
-    yield start
-    for proc, log_dir in started:
-        proc.kill()
-        proc.communicate()
-        for pid in worker_pids(log_dir).values() if log_dir.exists() else ():
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+EXAMPLE = pathlib.Path(__file__).parents[1] / "examples" / "train_digits.py"
 
 
 def plan(*argv: str, environ=None):
@@ -107,7 +49,7 @@ def test_plan_on_cpu():
 def test_plan_on_gpus_of_the_second_node():
     workers = plan(
         "--ips", "10.0.0.1,10.0.0.2", "--host", "10.0.0.2", "--gpus", "0,1,2,3",
-        "--nproc_per_node", "2",
+        "--nproc_per_node", "2", environ={"CUDA_VISIBLE_DEVICES": "0,1,2,3"},
     )  # fmt: skip
     assert [(w.rank, w.local_rank) for w in workers] == [(2, 0), (3, 1)]
     assert [w.env["CUDA_VISIBLE_DEVICES"] for w in workers] == ["0,1", "2,3"]
@@ -117,6 +59,8 @@ def test_plan_on_gpus_of_the_second_node():
     )
     assert workers[1].env["PADDLE_CURRENT_ENDPOINT"] == "10.0.0.2:6071"
     assert workers[1].env["JAX_COORDINATOR_ADDRESS"] == "10.0.0.1:6070"
+    # A GPU JAX cannot use fails the worker; it never trains on the CPU instead.
+    assert workers[0].env["JAX_PLATFORMS"] == "cuda"
     assert "JAX_NUM_CPU_DEVICES" not in workers[0].env
 
 
@@ -130,50 +74,147 @@ def test_plan_finds_gpus_and_this_node():
     )
 
 
+def test_plan_with_paddles_node_options():
+    # --rank is the node's place in --ips (as --host), --nnodes their number.
+    workers = plan("--ips", "10.0.0.1,10.0.0.2", "--rank", "1", "--nnodes", "2")
+    assert [w.rank for w in workers] == [1]
+    assert workers[0].env["PADDLE_NNODES"] == "2"
+    # A single node needs no rendezvous at --master (as in Paddle); it listens on loopback.
+    (worker,) = plan("--master", "10.0.0.1:8090", "--nnodes", "1", "--start_port", "7000")
+    assert worker.env["JAX_COORDINATOR_ADDRESS"] == "127.0.0.1:7000"
+
+
 @pytest.mark.parametrize(
-    "argv, message",
+    "argv, environ, message",
     [
         (
             ["--gpus", "0,1,2", "--nproc_per_node", "2"],
+            {"CUDA_VISIBLE_DEVICES": "0,1,2"},
             "3 GPUs (0,1,2) do not split evenly over --nproc_per_node 2 processes",
         ),
         (
             ["--gpus", "0,1", "--cpu_devices_per_proc", "4"],
+            {"CUDA_VISIBLE_DEVICES": "0,1"},
             "--cpu_devices_per_proc applies without GPUs, but this node uses GPUs ['0', '1']; "
             "set JAX_PLATFORMS=cpu to train on the CPU",
         ),
-        (["--ips", "10.0.0.1,10.0.0.2", "--host", "10.0.0.3"], "--host 10.0.0.3 is not one of"),
+        (
+            ["--gpus", "0,1"],
+            None,
+            "--devices (--gpus) 0,1 names GPUs, but this machine has none (JAX_PLATFORMS=cpu)",
+        ),
+        (
+            ["--devices", "0"],
+            {"CUDA_VISIBLE_DEVICES": ""},
+            "--devices (--gpus) 0 names GPUs, but this machine has none (CUDA_VISIBLE_DEVICES='')",
+        ),
+        (
+            ["--gpus", "1,4"],
+            {"CUDA_VISIBLE_DEVICES": "0,1"},
+            "--devices (--gpus) 1,4: GPU 4 is not among this machine's GPUs 0,1",
+        ),
+        (
+            ["--ips", "10.0.0.1,10.0.0.2", "--host", "10.0.0.3"],
+            None,
+            "--host 10.0.0.3 is not one of",
+        ),
         (
             ["--ips", "198.51.100.1,198.51.100.2"],
+            None,
             "cannot tell which of --ips 198.51.100.1,198.51.100.2 is this node (local addresses "
             "among them: none); pass --host",
         ),
-        (["--ips", "10.0.0.1,,10.0.0.2"], "--ips='10.0.0.1,,10.0.0.2' has an empty entry"),
-        (["--nproc_per_node", "0"], "--nproc_per_node must be at least 1, got 0"),
-        (["--start_port", "70000"], "--start_port must be a port number 1..65535, got 70000"),
+        (
+            ["--ips", "10.0.0.1,10.0.0.2", "--rank", "2"],
+            None,
+            "--rank 2 is outside --ips 10.0.0.1,10.0.0.2 (0..1)",
+        ),
+        (
+            ["--ips", "10.0.0.1,10.0.0.2", "--rank", "1", "--host", "10.0.0.1"],
+            None,
+            "--rank 1 is not --host 10.0.0.1's place in --ips 10.0.0.1,10.0.0.2",
+        ),
+        (["--rank", "-2"], None, "--rank must be a node's rank (0, 1, ...) or -1 (any), got -2"),
+        (["--ips", "10.0.0.1,,10.0.0.2"], None, "--ips='10.0.0.1,,10.0.0.2' has an empty entry"),
+        (
+            ["--nnodes", "2"],
+            None,
+            "--nnodes 2 but --ips lists 1 node(s); list every node in --ips, or let the nodes "
+            "meet at --master",
+        ),
+        (
+            ["--nnodes", "2:4", "--master", "10.0.0.1:8090"],
+            None,
+            "--nnodes must be a number of nodes (at least 1), got '2:4'; fleetjax-run starts a "
+            "fixed number of nodes (no elastic min:max range)",
+        ),
+        (
+            ["--master", "10.0.0.1:8090", "--ips", "10.0.0.1"],
+            None,
+            "give --master (the nodes meet there) or --ips, not both",
+        ),
+        (
+            ["--master", "etcd://10.0.0.1:2379"],
+            None,
+            "--master 'etcd://10.0.0.1:2379' is not an address of the form host:port (or "
+            "http://host:port)",
+        ),
+        (["--nproc_per_node", "0"], None, "--nproc_per_node must be at least 1, got 0"),
+        (["--start_port", "70000"], None, "--start_port must be a port number 1..65535, got 70000"),
     ],
 )
-def test_plan_errors(argv, message):
+def test_plan_errors(argv, environ, message):
     with pytest.raises(launch.LaunchError, match=re.escape(message)):
-        plan(*argv)
+        plan(*argv, environ=environ)
 
 
-def test_workers_get_their_variables_and_logs(launcher, tmp_path):
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--log_dir", "{file}", "{script}"], "--log_dir {file} is a file, not a directory"),
+        (["--log_dir", "{file}/log", "{script}"], "--log_dir {file}/log cannot be made: "),
+        (["{tmp}/missing.py"], "the training script {tmp}/missing.py is not a file"),
+        ([], "no training script: fleetjax-run [options] train.py [its arguments]"),
+        (["--nproc_per_node", "two", "{script}"], "argument --nproc_per_node: invalid int value"),
+        (
+            ["--heartbeat_timeout", "0", "{script}"],
+            "argument --heartbeat_timeout: must be a positive number of seconds, got '0'",
+        ),
+        (["--no_such_option", "{script}"], "unrecognized arguments: --no_such_option"),
+    ],
+)
+def test_usage_errors_are_one_line_and_exit_2(tmp_path, capsys, argv, message):
+    names = {"file": tmp_path / "a_file", "script": tmp_path / "train.py", "tmp": tmp_path}
+    names["file"].write_text("")
+    names["script"].write_text("")
+    code = launch.main([arg.format(**names) for arg in argv])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert out == ""
+    assert err.startswith(f"fleetjax-run: error: {message.format(**names)}")
+    assert err.count("\n") == 1, err
+
+
+def test_workers_get_their_variables_and_a_new_log_each_run(launcher, tmp_path):
     port = free_port()
-    proc = launcher(
-        "--nproc_per_node", "2", "--cpu_devices_per_proc", "3", "--start_port", str(port),
-        str(WORKER), "env", "--flag", "value",
-    )  # fmt: skip
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
-    logs = [
-        json.loads((tmp_path / "log" / f"workerlog.{r}").read_text().split("\n")[1]) for r in (0, 1)
-    ]
-    for rank, record in enumerate(logs):
+    for args in (["--first"], ["--flag", "value"]):
+        proc = launcher(
+            "--nproc_per_node", "2", "--cpu_devices_per_proc", "3", "--start_port", str(port),
+            str(WORKER), "env", *args,
+        )  # fmt: skip
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+    logs = [(tmp_path / "log" / f"workerlog.{r}").read_text().splitlines() for r in (0, 1)]
+    assert [len(lines) for lines in logs] == [2, 2]  # pid=..., the record: the last run only
+    records = [json.loads(lines[1]) for lines in logs]
+    for rank, record in enumerate(records):
         assert record["rank"] == rank
         assert record["args"] == ["--flag", "value"]
         assert record["env"]["PADDLE_CURRENT_ENDPOINT"] == f"127.0.0.1:{port + rank}"
         assert record["env"]["JAX_NUM_CPU_DEVICES"] == "3"
+        log = tmp_path / "log" / f"workerlog.{rank}"
+        assert record["env"]["FLEETJAX_HEARTBEAT_FILE"] == str(log.absolute())
+    assert len({record["env"]["FLEETJAX_RUN_ID"] for record in records}) == 1
     # Worker 0 is also on the console, worker 1 only in its log.
     assert '"rank": 0' in out and '"rank": 1' not in out
     assert "fleetjax-run: starting workers 0..1 of 2" in err
@@ -191,65 +232,6 @@ def test_a_busy_port_is_reported(launcher):
         f"fleetjax-run: error: the coordinator port {port} is already in use on this machine "
         "(another job?); choose a free one with --start_port"
     )
-
-
-# -- nothing outlives a failure --------------------------------------------------------------
-def test_a_failing_worker_stops_the_others(launcher, tmp_path):
-    begin = time.monotonic()
-    proc = launcher("--nproc_per_node", "3", "--start_port", str(free_port()), str(WORKER), "fail")
-    _, err = proc.communicate(timeout=60)
-    print(f"the launcher exited {time.monotonic() - begin:.1f} s after the failure")
-    assert time.monotonic() - begin < 30
-    assert proc.returncode == 3
-    assert "fleetjax-run: worker 1 exited with code 3; stopping all workers" in err
-    assert "worker 1 fails" in err  # the end of its log
-    pids = worker_pids(tmp_path / "log")
-    assert sorted(pids) == [0, 1, 2]
-    assert not any(alive(pid) for pid in pids.values())
-
-
-def _start_training(launcher, tmp_path) -> tuple[subprocess.Popen, dict[int, int]]:
-    """Two joined JAX workers that synchronise forever; returns the launcher and {rank: pid}."""
-    proc = launcher(
-        "--nproc_per_node", "2", "--cpu_devices_per_proc", "2", "--start_port", str(free_port()),
-        str(WORKER), "train",
-    )  # fmt: skip
-    logs = [tmp_path / "log" / f"workerlog.{rank}" for rank in (0, 1)]
-    wait_for(lambda: all(log.exists() and "ready" in log.read_text() for log in logs), 120, "ready")
-    return proc, worker_pids(tmp_path / "log")
-
-
-def test_a_killed_worker_stops_the_others(launcher, tmp_path):
-    proc, pids = _start_training(launcher, tmp_path)
-    os.kill(pids[1], signal.SIGKILL)
-    begin = time.monotonic()
-    _, err = proc.communicate(timeout=60)
-    print(f"the launcher exited {time.monotonic() - begin:.1f} s after the failure")
-    assert time.monotonic() - begin < 30
-    assert proc.returncode == 128 + signal.SIGKILL
-    assert "fleetjax-run: worker 1 was killed by SIGKILL; stopping all workers" in err
-    assert not alive(pids[0])
-
-
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_stopping_the_launcher_stops_all(launcher, tmp_path, sig):
-    proc = launcher("--nproc_per_node", "2", "--start_port", str(free_port()), str(WORKER), "fail")
-    wait_for(lambda: len(worker_pids(tmp_path / "log")) == 2, 60, "workers")
-    pids = worker_pids(tmp_path / "log")
-    proc.send_signal(sig)
-    _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 128 + sig
-    assert f"fleetjax-run: got {sig.name}; stopping all workers" in err
-    assert not any(alive(pid) for pid in pids.values())
-
-
-def test_workers_die_with_a_killed_launcher(launcher, tmp_path):
-    proc = launcher("--nproc_per_node", "2", "--start_port", str(free_port()), str(WORKER), "fail")
-    wait_for(lambda: len(worker_pids(tmp_path / "log")) == 2, 60, "workers")
-    pids = worker_pids(tmp_path / "log")
-    proc.kill()
-    proc.communicate()
-    wait_for(lambda: not any(alive(pid) for pid in pids.values()), 10, "end of the workers")
 
 
 # -- the same training on 2 processes as on 1 ------------------------------------------------
@@ -279,3 +261,101 @@ def test_two_processes_train_like_one(launcher, tmp_path):
     np.testing.assert_allclose(list(two.values()), list(one.values()), rtol=1e-5)
     # Worker 1 trained the same steps; its log has the same losses.
     assert _losses((tmp_path / "log" / "workerlog.1").read_text()) == two
+
+
+# -- Paddle's --master: nodes that find each other -------------------------------------------
+def _env_record(log: pathlib.Path) -> dict:
+    return json.loads(log.read_text().splitlines()[1])["env"]
+
+
+def test_nodes_meet_at_master(launcher, tmp_path):
+    master, ports = f"127.0.0.1:{free_port()}", [free_port(), free_port()]
+    nodes = []
+    for rank in (1, 0):  # the serving node may come second
+        options = ["--master", master, "--nnodes", "2", "--rank", str(rank), "--job_id", "meet"]
+        options += ["--start_port", str(ports[rank]), "--nproc_per_node", "1"]
+        nodes.append(launcher(*options, str(WORKER), "env", log_dir=tmp_path / f"node{rank}"))
+    for node in nodes:
+        _, err = node.communicate(timeout=120)
+        assert node.returncode == 0, err
+    endpoints = f"127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}"
+    for rank in (0, 1):
+        env = _env_record(tmp_path / f"node{rank}" / f"workerlog.{rank}")
+        assert env["PADDLE_TRAINER_ID"] == str(rank)
+        assert env["PADDLE_TRAINER_ENDPOINTS"] == endpoints
+        assert env["PADDLE_NNODES"] == "2"
+        assert env["JAX_COORDINATOR_ADDRESS"] == f"127.0.0.1:{ports[0]}"
+
+
+def test_a_node_of_another_job_is_refused(launcher, tmp_path):
+    master = f"127.0.0.1:{free_port()}"
+    common = ["--master", master, "--nnodes", "2", "--nproc_per_node", "1"]
+    serving = launcher(*common, "--job_id", "a", str(WORKER), "env", log_dir=tmp_path / "a")
+    wait_for(lambda: serving.poll() is not None or _listens(int(master.split(":")[1])), 60, "a")
+    other = launcher(*common, "--job_id", "b", str(WORKER), "env", log_dir=tmp_path / "b")
+    _, err = other.communicate(timeout=60)
+    assert other.returncode == 2
+    assert err == (
+        f"fleetjax-run: error: the rendezvous at {master} refused: this is the rendezvous of "
+        "job 'a'\n"
+    )
+    assert serving.poll() is None  # still waiting for a node of its own job
+
+
+def test_nodes_asking_for_one_rank_are_refused(launcher, tmp_path):
+    master = f"127.0.0.1:{free_port()}"
+    options = ["--master", master, "--nnodes", "2", "--rank", "0"]
+    nodes = [
+        launcher(
+            *options,
+            "--start_port",
+            str(free_port()),
+            str(WORKER),
+            "env",
+            log_dir=tmp_path / f"n{i}",
+        )
+        for i in (0, 1)
+    ]
+    errors = [node.communicate(timeout=60)[1] for node in nodes]
+    assert [node.returncode for node in nodes] == [2, 2]
+    problem = "the nodes ask for ranks [0, 0], which are not distinct ranks 0..1 of --nnodes 2"
+    assert sorted(errors) == sorted(
+        [
+            f"fleetjax-run: error: {problem}\n",
+            f"fleetjax-run: error: the rendezvous at {master} refused: {problem}\n",
+        ]
+    )
+
+
+# -- the coordinator ---------------------------------------------------------------------------
+def _listening(port: int) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The local addresses of the TCP sockets listening on `port` (from /proc/net)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in pathlib.Path(table).read_text().splitlines()[1:]:
+            local, _, state = line.split()[1:4]
+            hex_address, _, hex_port = local.partition(":")
+            if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
+                continue
+            # 32-bit words in the host's byte order (little-endian here).
+            words = bytes.fromhex(hex_address)
+            raw = b"".join(words[i : i + 4][::-1] for i in range(0, len(words), 4))
+            address = ipaddress.ip_address(raw)
+            found.add(getattr(address, "ipv4_mapped", None) or address)
+    return found
+
+
+def _listens(port: int) -> bool:
+    return bool(_listening(port))
+
+
+def test_the_coordinator_listens_on_the_named_address_only(launcher, tmp_path):
+    port = free_port()
+    launcher(
+        "--nproc_per_node", "2", "--cpu_devices_per_proc", "1", "--start_port", str(port),
+        str(WORKER), "train",
+    )  # fmt: skip
+    logs = [tmp_path / "log" / f"workerlog.{rank}" for rank in (0, 1)]
+    wait_for(lambda: all(log.exists() and "ready" in log.read_text() for log in logs), 120, "ready")
+    # Loopback only (maybe as IPv6's ::ffff:127.0.0.1), not every interface (0.0.0.0, [::]).
+    assert _listening(port) == {ipaddress.ip_address("127.0.0.1")}

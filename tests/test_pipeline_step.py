@@ -260,15 +260,10 @@ class TestErrors:
         with pytest.raises(NotImplementedError, match="schedule_mode 'ZBH1' is not available"):
             fleetjax.make_train_step(MODEL, optax.sgd(0.1), pipelined("ZBH1"))
 
-    def test_in_step_merge_clashes(self):
-        s = pipelined(gradient_merge=True)
-        s.gradient_merge_configs = {"k_steps": 2, "mode": "in_step"}
-        with pytest.raises(ValueError, match="does not combine with gradient merge in one call"):
+    def test_per_replica_optimizers_clash(self):
+        s = pipelined(localsgd=True)
+        with pytest.raises(ValueError, match="the pipeline does not combine with dgc/localsgd"):
             fleetjax.make_train_step(MODEL, optax.sgd(0.1), s)
-
-    def test_no_model_state(self):
-        with pytest.raises(ValueError, match="no model state yet"):
-            fleetjax.make_train_step(MODEL, optax.sgd(0.1), pipelined(), has_state=True)
 
     def test_the_model_alone_is_the_unpipelined_loss(self):
         params, batch = make()

@@ -229,9 +229,20 @@ class TestNothingIsSilentlyIgnored:
             fleetjax.make_train_step(loss_fn, optax.sgd(0.1), s)  # already warned
 
     def test_parameter_server_knobs_warn_with_the_reason(self):
-        s = fleetjax.DistributedStrategy(a_sync=False)
+        s = fleetjax.DistributedStrategy(a_sync_configs={"send_queue_size": 32})
         with pytest.warns(
-            fleetjax.StrategyWarning, match="a_sync=False has no effect.*parameter-server"
+            fleetjax.StrategyWarning,
+            match="a_sync_configs.send_queue_size=32 has no effect.*communicator",
+        ):
+            fleetjax.make_train_step(loss_fn, optax.sgd(0.1), s)
+
+    def test_asynchronous_parameter_server_training_runs_synchronously_and_says_why(self):
+        s = fleetjax.DistributedStrategy()
+        s.a_sync = True  # Paddle's async mode (the setter sets a_sync_configs.k_steps to 0)
+        with pytest.warns(
+            fleetjax.StrategyWarning,
+            match="a_sync=True has no effect in fleetjax: asynchronous parameter-server "
+            "training .* has no SPMD counterpart: every step runs synchronously",
         ):
             fleetjax.make_train_step(loss_fn, optax.sgd(0.1), s)
 

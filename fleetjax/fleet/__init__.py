@@ -7,7 +7,7 @@ The module-level functions are bound to one `Fleet` instance, as in Paddle. `fle
 from typing import Any
 
 from fleetjax.fleet import auto, base, role_maker, utils
-from fleetjax.fleet._fleet import Fleet
+from fleetjax.fleet._fleet import Fleet, FleetOptimizer
 from fleetjax.fleet._trainer import Trainer
 from fleetjax.fleet.base.util_factory import UtilBase
 from fleetjax.fleet.role_maker import (
@@ -66,6 +66,7 @@ __all__ = [
     "DistributedStrategy",
     "ExecutionStrategy",
     "Fleet",
+    "FleetOptimizer",
     "JaxProcessRoleMaker",
     "PaddleCloudRoleMaker",
     "Role",

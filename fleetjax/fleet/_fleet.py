@@ -2,40 +2,99 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import optax
+from flax import nnx
 from jax.sharding import Mesh
 
 from fleetjax import _paddle_env, checkpoint, export, xla_flags
 from fleetjax._applied import AppliedStrategy, applied_strategy
+from fleetjax._warnings import warn_once
 from fleetjax.distributed_model import distributed_model
 from fleetjax.distributed_optimizer import DistributedOptimizer, distributed_optimizer
-from fleetjax.fleet._trainer import Trainer
-from fleetjax.fleet.base.role_maker import (
-    JaxProcessRoleMaker,
-    PaddleCloudRoleMaker,
-    RoleMakerBase,
-)
+from fleetjax.fleet._join import default_role_maker, join_processes
+from fleetjax.fleet._ps import runtime_call
+from fleetjax.fleet._trainer import Trainer, learning_rate
+from fleetjax.fleet.base.role_maker import PaddleCloudRoleMaker, Role, RoleMakerBase
 from fleetjax.fleet.base.util_factory import UtilBase
+from fleetjax.optimizers import set_lr
 from fleetjax.plan import mesh_for, read_plan
 from fleetjax.strategy import DistributedStrategy, Strategy
 
 logger = logging.getLogger("fleetjax")
 
-_PS_ERROR = (
-    "{}() is a parameter-server call; parameter-server mode is not supported yet "
-    "(fleetjax trains in collective mode)"
+
+_NO_EXECUTOR = (
+    "{}= has no meaning in JAX: there is no executor or program; fleet.{} works on the fleet's "
+    "Trainer (the model of distributed_model, trained by minimize / backward)"
 )
 
 
-class _ParameterServerCallError(NotImplementedError, ValueError):
-    """A parameter-server call in collective mode; also the ValueError Paddle raises there
-    ("Fleet can not find suitable runtime handler")."""
+@dataclasses.dataclass(frozen=True)
+class FleetOptimizer(DistributedOptimizer):
+    """What `fleet.distributed_optimizer` returns: a `DistributedOptimizer` (it goes to
+    `make_train_step` or a `Trainer` as any other) with Paddle's dygraph optimizer calls,
+    which act on the fleet's `Trainer` as `fleet.minimize`, `fleet.step`, ... do.
+
+    Paddle's `loss.backward(); opt.step(); opt.clear_grad()` is `opt.backward(loss_fn, batch);
+    opt.step(); opt.clear_grad()`: JAX has no tape, so the loss is a function of the model and
+    the batch. An optimizer that a later `fleet.distributed_optimizer` call replaced refuses
+    these calls.
+
+    Attributes:
+      fleet: the `Fleet` that made it.
+    """
+
+    fleet: Fleet = dataclasses.field(repr=False, compare=False)
+
+    def _bound(self) -> Fleet:
+        if self.fleet._optimizer is not self:
+            raise RuntimeError(
+                "this optimizer was replaced by a later fleet.distributed_optimizer() (or "
+                "fleet.init()) call; use the optimizer that call returned"
+            )
+        return self.fleet
+
+    def minimize(self, loss_fn: Callable[..., Any], batch: Any) -> jax.Array:
+        """Paddle's `opt.minimize(loss)`: one step on `batch`; returns the loss
+        (`fleet.minimize`)."""
+        return self._bound().minimize(loss_fn, batch)
+
+    def backward(self, loss_fn: Callable[..., Any], batch: Any) -> None:
+        """Paddle's `loss.backward()` (`opt.backward(loss)`): `step()` applies the gradients of
+        `loss_fn` on `batch` (`fleet.backward`)."""
+        self._bound().backward(loss_fn, batch)
+
+    def step(self) -> jax.Array:
+        """Paddle's `opt.step()`: apply the gradients `backward` asked for; returns the loss."""
+        return self._bound().step()
+
+    def clear_grad(self) -> None:
+        """Paddle's `opt.clear_grad()`: drop the gradients of the last `backward`."""
+        self._bound().clear_grad()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Paddle's `opt.state_dict()` (`fleet.state_dict`)."""
+        return self._bound().state_dict()
+
+    def set_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Paddle's `opt.set_state_dict(state_dict)` (`fleet.set_state_dict`)."""
+        self._bound().set_state_dict(state_dict)
+
+    def get_lr(self) -> float:
+        """Paddle's `opt.get_lr()` (`fleet.get_lr`)."""
+        return self._bound().get_lr()
+
+    def set_lr(self, value: float) -> None:
+        """Paddle's `opt.set_lr(value)` (`fleet.set_lr`)."""
+        self._bound().set_lr(value)
 
 
 class Fleet:
@@ -44,11 +103,17 @@ class Fleet:
 
     With several worker endpoints (`PADDLE_TRAINER_ENDPOINTS`, as `fleetrun`/`fleetjax-run`
     set), `init` joins all processes with `jax.distributed.initialize` into one global mesh.
+    In parameter-server mode (`init(is_collective=False)`) the trainers join so, and a server
+    joins nothing: its role queries answer as Paddle's and `init_server()`/`run_server()`
+    return (fleetjax's tables live on the trainers; docs/parameter_server.md).
 
     Paddle 2.0's dygraph calls on the fleet (`minimize`, `step`, `clear_grad`, `state_dict`,
-    `set_state_dict`, `get_lr`, `set_lr`) act on the fleet's `Trainer`, which the first
-    `minimize` or `backward` makes from the model given to `distributed_model` and the
-    optimizer from `distributed_optimizer`.
+    `set_state_dict`, `get_lr`, `set_lr`), and the same calls on the optimizer that
+    `distributed_optimizer` returns, act on the fleet's `Trainer`, which the first `minimize`
+    or `backward` makes from the model given to `distributed_model` and that optimizer. Before
+    it, as in Paddle (whose optimizer makes its state at the first step), `get_lr` is the
+    initial rate, `set_lr` and `set_state_dict` take effect when the Trainer is made, and
+    `state_dict` is empty.
     """
 
     def __init__(self) -> None:
@@ -58,8 +123,12 @@ class Fleet:
         self._xla_flags: tuple[xla_flags.Flag, ...] = ()  # what init put in effect
         self._model: Any = None  # from distributed_model
         self._param_specs: Any = None
-        self._optimizer: DistributedOptimizer | None = None  # from distributed_optimizer
+        self._optimizer: FleetOptimizer | None = None  # from distributed_optimizer
         self._trainer: Trainer | None = None
+        # Before the Trainer: what set_lr / set_state_dict gave, and the last batch's shapes.
+        self._pending_lr: float | None = None
+        self._pending_state: Mapping[str, Any] | None = None
+        self._batch_spec: Any = None
         self.util = UtilBase()
 
     # -- set-up ---------------------------------------------------------------------------
@@ -80,21 +149,24 @@ class Fleet:
         Args:
           role_maker: default `PaddleCloudRoleMaker()` (reads the `PADDLE_*` variables), or,
             without them, `JaxProcessRoleMaker()` if the script already called
-            `jax.distributed.initialize()` (SLURM, Open MPI).
-          is_collective: must be True (parameter-server mode is not supported yet).
+            `jax.distributed.initialize()` or JAX's cluster detection finds a job of several
+            processes (SLURM, Open MPI, Kubernetes), which `init` then joins; in
+            parameter-server mode `PaddleCloudRoleMaker(is_collective=False)` (Paddle's
+            `TRAINING_ROLE`, `PADDLE_PSERVERS_IP_PORT_LIST`, ... variables).
+          is_collective: collective (True, fleetjax's default) or parameter-server mode
+            (False, Paddle's default), when no `role_maker` is given.
           strategy: a `DistributedStrategy` or `Strategy` (copied; default plain DP). Its
             degrees shape the mesh.
           log_level: the level of the "fleetjax" logger.
 
         Raises:
-          NotImplementedError: for parameter-server mode.
-          RuntimeError: if JAX already ran a computation and several processes must join.
-          ValueError: if the strategy's degrees do not fit the devices.
+          RuntimeError: if JAX already ran a computation and several processes must join, or
+            a scheduler's variables promise several tasks that cannot be joined.
+          ValueError: if the strategy's degrees do not fit the devices, or the environment
+            describes no valid role.
         """
         if not isinstance(is_collective, bool):
             raise TypeError(f"is_collective must be bool, got {type(is_collective).__name__}")
-        if not is_collective:
-            raise NotImplementedError(_PS_ERROR.format("init(is_collective=False)"))
         strategy = DistributedStrategy() if strategy is None else strategy
         if not isinstance(strategy, (DistributedStrategy, Strategy)):
             raise TypeError(
@@ -108,9 +180,8 @@ class Fleet:
         plan = read_plan(strategy)  # fail fast on settings fleetjax cannot apply
         self._xla_flags = xla_flags.apply(plan.xla_flags, plan.strategy)
         if role_maker is None:
-            from_jax = "PADDLE_TRAINER_ENDPOINTS" not in os.environ
-            from_jax = from_jax and jax.distributed.is_initialized()
-            role_maker = JaxProcessRoleMaker() if from_jax else PaddleCloudRoleMaker()
+            collective = default_role_maker
+            role_maker = collective() if is_collective else PaddleCloudRoleMaker(False)
         if not isinstance(role_maker, RoleMakerBase):
             raise TypeError(
                 f"role_maker must be a fleetjax role maker, got {type(role_maker).__name__}"
@@ -119,16 +190,18 @@ class Fleet:
         self.util._set_role_maker(role_maker)
         self.util._set_strategy(strategy)
         if role_maker.is_distributed:
-            _join_processes(role_maker)
-        self._mesh = mesh_for(plan)
+            join_processes(role_maker)
+        server = role_maker.role == Role.SERVER  # a parameter server builds no mesh
+        self._mesh = None if server else mesh_for(plan)
         self._role, self._strategy = role_maker, strategy.__copy__()
         self._model = self._param_specs = self._optimizer = self._trainer = None
-        logger.info(
-            "fleet: worker %d of %d, mesh %s",
-            role_maker.worker_index,
-            role_maker.worker_num,
-            dict(self._mesh.shape),
-        )
+        self._pending_lr = self._pending_state = self._batch_spec = None
+        if server:
+            index, count = role_maker._server_index(), role_maker._server_num()
+            logger.info("fleet: parameter server %d of %d", index, count)
+        else:
+            index, count = role_maker.worker_index, role_maker.worker_num
+            logger.info("fleet: worker %d of %d, mesh %s", index, count, dict(self._mesh.shape))
         return self
 
     def _checked_role(self) -> RoleMakerBase:
@@ -139,8 +212,14 @@ class Fleet:
     @property
     def mesh(self) -> Mesh:
         """The global device mesh built from the strategy by `init`."""
-        self._checked_role()
-        assert self._mesh is not None
+        role = self._checked_role()
+        if self._mesh is None:
+            raise RuntimeError(
+                f"this process is parameter server {role._server_index()}: fleetjax's sparse "
+                "tables live sharded over the trainers' devices, so a server builds no mesh and "
+                "trains nothing; branch on fleet.is_server() (init_server(), run_server()) "
+                "before building the model"
+            )
         return self._mesh
 
     @property
@@ -155,8 +234,9 @@ class Fleet:
         self,
         optimizer: optax.GradientTransformation,
         strategy: DistributedStrategy | Strategy | None = None,
-    ) -> DistributedOptimizer:
-        """Bind `optimizer` to the fleet's strategy and mesh, for `make_train_step`.
+    ) -> FleetOptimizer:
+        """Bind `optimizer` to the fleet's strategy and mesh, for `make_train_step`, with
+        Paddle's dygraph calls (`step`, `clear_grad`, `get_lr`, ...) on the fleet's Trainer.
 
         A `strategy` given here replaces the one from `init` (Paddle's rule), with a warning,
         and the mesh is rebuilt from it.
@@ -173,8 +253,9 @@ class Fleet:
             self._mesh = mesh_for(plan)
             self._strategy = strategy.__copy__()
             self.util._set_strategy(self._strategy)
-        self._optimizer = distributed_optimizer(optimizer, self.strategy, self.mesh)
-        self._trainer = None
+        bound = distributed_optimizer(optimizer, self.strategy, self.mesh)
+        self._optimizer = FleetOptimizer(**vars(bound), fleet=self)
+        self._trainer = self._pending_lr = self._pending_state = None
         return self._optimizer
 
     def distributed_model(self, model: Any, *, param_specs: Any = None) -> Any:
@@ -224,10 +305,26 @@ class Fleet:
                 "call fleet.distributed_optimizer(optimizer) before training with the fleet"
             )
         state = None if self._trainer is None else self._trainer.state
-        self._trainer = Trainer(
+        trainer = Trainer(
             loss_fn, self._model, self._optimizer, param_specs=self._param_specs, state=state
         )
-        return self._trainer
+        if self._pending_state is not None:
+            trainer.set_state_dict(self._pending_state)
+        if self._pending_lr is not None:
+            trainer.set_lr(self._pending_lr)
+        self._trainer, self._pending_lr, self._pending_state = trainer, None, None
+        return trainer
+
+    def _checked_optimizer(self) -> FleetOptimizer:
+        self._checked_role()
+        if self._optimizer is None:
+            raise RuntimeError("call fleet.distributed_optimizer(optimizer) first")
+        return self._optimizer
+
+    def _note_batch(self, batch: Any) -> None:
+        """Keep the shapes of `batch`: Paddle's form of `save_inference_model` names inputs
+        from it."""
+        self._batch_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
 
     def minimize(self, loss_fn: Callable[..., Any], batch: Any) -> jax.Array:
         """One training step of the model from `distributed_model` on `batch`, with the
@@ -236,36 +333,67 @@ class Fleet:
         `loss_fn(model, batch)` for an nnx Module, else `loss_fn(params, batch)`; pass the same
         function every call (another one compiles another step). For aux outputs or a PRNG
         key, make a `fleetjax.fleet.Trainer`."""
-        return self._trainer_for(loss_fn).minimize(batch)
+        loss = self._trainer_for(loss_fn).minimize(batch)
+        self._note_batch(batch)
+        return loss
 
     def backward(self, loss_fn: Callable[..., Any], batch: Any) -> None:
         """Paddle's `loss.backward()`: `step()` applies the gradients of `loss_fn` on `batch`.
         See `Trainer.backward`."""
         self._trainer_for(loss_fn).backward(batch)
+        self._note_batch(batch)
 
     def step(self) -> jax.Array:
         """Apply the gradients `backward` asked for; returns the loss. See `Trainer.step`."""
         return self.trainer.step()
 
     def clear_grad(self) -> None:
-        """Drop the gradients of the last `backward`. See `Trainer.clear_grad`."""
-        self.trainer.clear_grad()
+        """Drop the gradients of the last `backward` (none before training). See
+        `Trainer.clear_grad`."""
+        if self._trainer is not None:
+            self._trainer.clear_grad()
 
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer state as a nested dict of arrays. See `Trainer.state_dict`."""
-        return self.trainer.state_dict()
+        """The optimizer state as a nested dict of arrays; empty before the first `minimize` or
+        `backward` (Paddle's optimizer makes its state at the first step). See
+        `Trainer.state_dict`."""
+        if self._trainer is None:
+            self._checked_optimizer()
+            return {}
+        return self._trainer.state_dict()
 
     def set_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load the optimizer state from `state_dict`. See `Trainer.set_state_dict`."""
-        self.trainer.set_state_dict(state_dict)
+        """Load the optimizer state from `state_dict`; before the first `minimize` or `backward`
+        it is loaded (and checked) when they make the Trainer, and an empty one loads nothing.
+        See `Trainer.set_state_dict`."""
+        if self._trainer is not None:
+            self._trainer.set_state_dict(state_dict)
+            return
+        self._checked_optimizer()
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"state_dict must be a nested dict of arrays, got {type(state_dict).__name__}"
+            )
+        self._pending_state = dict(state_dict) or None
 
     def get_lr(self) -> float:
-        """The learning rate of the next step. See `Trainer.get_lr`."""
-        return self.trainer.get_lr()
+        """The learning rate of the next step: before the first one, the optimizer's initial
+        rate (or the one `set_lr` gave). See `Trainer.get_lr`."""
+        if self._trainer is not None:
+            return self._trainer.get_lr()
+        opt_state = self._checked_optimizer().init({})  # no parameters: only the rate
+        if self._pending_lr is not None:
+            opt_state = set_lr(opt_state, self._pending_lr)
+        return learning_rate(opt_state)
 
     def set_lr(self, value: float) -> None:
-        """Use the learning rate `value` from the next step on. See `Trainer.set_lr`."""
-        self.trainer.set_lr(value)
+        """Use the learning rate `value` from the next step on (before the first step, from the
+        first). See `Trainer.set_lr`."""
+        if self._trainer is not None:
+            self._trainer.set_lr(value)
+            return
+        set_lr(self._checked_optimizer().init({}), value)  # Trainer.set_lr's checks, now
+        self._pending_lr = value
 
     # -- roles: the role maker's answers, as in Paddle ------------------------------------
     def worker_index(self) -> int:
@@ -288,15 +416,15 @@ class Fleet:
         return self._checked_role()._node_num()
 
     def server_num(self) -> int:
-        """0: there are no parameter servers in collective mode."""
+        """The parameter servers' count (0 in collective mode)."""
         return self._checked_role()._server_num()
 
     def server_index(self) -> int:
-        """0: there are no parameter servers in collective mode."""
+        """This process's index (Paddle's `current_id`; 0 in collective mode)."""
         return self._checked_role()._server_index()
 
     def server_endpoints(self, to_string: bool = False) -> list[str] | str:
-        """Empty: there are no parameter servers in collective mode."""
+        """The parameter servers' endpoints (empty in collective mode)."""
         endpoints = self._checked_role()._get_pserver_endpoints()
         return ",".join(endpoints) if to_string else list(endpoints)
 
@@ -308,60 +436,165 @@ class Fleet:
         self._checked_role()._barrier("worker")
 
     # -- saving ---------------------------------------------------------------------------
-    def save_persistables(self, dirname: str | os.PathLike[str], state: object) -> None:
-        """Save `state` (e.g. a `TrainState`) to `dirname`, atomically replacing the last save
-        (Paddle's `save_persistables`, without its executor and program arguments).
-        See `fleetjax.checkpoint`."""
+    def save_persistables(
+        self,
+        executor: Any = None,
+        dirname: str | os.PathLike[str] | None = None,
+        main_program: Any = None,
+        *,
+        state: Any = None,
+    ) -> None:
+        """Save a training state to `dirname`, atomically replacing the last save (orbax; see
+        `fleetjax.checkpoint`). Two call forms:
+
+        * Paddle's `save_persistables(executor, dirname, main_program=None)` saves the state of
+          the fleet's Trainer (parameters, optimizer state, step). JAX has no executor or
+          program: `executor` and `main_program` are accepted and warn once.
+        * fleetjax's `save_persistables(dirname, state)` (a path first) saves `state`, e.g.
+          the `TrainState` of `make_train_step`.
+
+        Raises:
+          RuntimeError: in Paddle's form, if the fleet has not trained yet.
+        """
+        if isinstance(executor, (str, os.PathLike)):  # fleetjax's form: (dirname, state)
+            if dirname is not None and state is not None:
+                raise TypeError("save_persistables(dirname, state) got the state twice")
+            executor, dirname, state = None, executor, state if dirname is None else dirname
+        _no_meaning("save_persistables", executor=executor, main_program=main_program)
+        if dirname is None:
+            raise TypeError("save_persistables needs dirname")
+        if state is None:
+            state = self._trained("save_persistables(executor, dirname)").state
         checkpoint.save_persistables(dirname, state)
 
     def load_persistables(self, dirname: str | os.PathLike[str], target: object) -> object:
         """The state last saved in `dirname`, placed like `target` (any mesh)."""
         return checkpoint.load_persistables(dirname, target)
 
-    def save_inference_model(
-        self, dirname: str | os.PathLike[str], fn, params, example_inputs, **kwargs
+    def save_inference_model(self, *args: Any, **kwargs: Any) -> None:
+        """Export an inference model into `dirname` with `jax.export` (see
+        `fleetjax.export.save_inference_model`). Two call forms:
+
+        * fleetjax's `save_inference_model(dirname, fn, params, example_inputs, *,
+          dynamic_batch=True, platforms=None)` (a path first) exports `fn(params, *inputs)`.
+        * Paddle's `save_inference_model(executor, dirname, feeded_var_names, target_vars,
+          main_program=None, export_for_deployment=True)` exports the fleet's trained model.
+          `feeded_var_names` name entries of the batch dict the fleet trained on: they are the
+          inputs, in that order, with the last batch's shapes (any number of rows).
+          `target_vars` are functions `target(model, feeds)`, like the loss functions, of the
+          model (in eval mode: BatchNorm's running statistics, no dropout, as Paddle's
+          inference program) and the dict of the named inputs; the exported model returns
+          their list. `executor` and `main_program` are accepted and warn once.
+        """
+        if (args and isinstance(args[0], (str, os.PathLike))) or "fn" in kwargs:
+            export.save_inference_model(*args, **kwargs)
+        else:
+            self._save_trained_model(*args, **kwargs)
+
+    def _save_trained_model(
+        self,
+        executor: Any,
+        dirname: str | os.PathLike[str],
+        feeded_var_names: Sequence[str],
+        target_vars: Sequence[Callable[..., Any]],
+        main_program: Any = None,
+        export_for_deployment: bool = True,
     ) -> None:
-        """Export `fn(params, *inputs)` with `jax.export` into `dirname` (Paddle's
-        `save_inference_model`); see `fleetjax.export.save_inference_model`."""
-        export.save_inference_model(dirname, fn, params, example_inputs, **kwargs)
+        """Paddle's form of `save_inference_model`, on the fleet's Trainer."""
+        _no_meaning("save_inference_model", executor=executor, main_program=main_program)
+        if export_for_deployment is not True:
+            raise ValueError(
+                "save_inference_model: export_for_deployment must be True (Paddle supports "
+                f"only True), got {export_for_deployment!r}"
+            )
+        trainer = self._trained("save_inference_model(executor, dirname, ...)")
+        example_inputs = _feeds(self._batch_spec, feeded_var_names)
+        if isinstance(target_vars, (str, bytes)) or not all(map(callable, target_vars)):
+            raise TypeError(
+                "target_vars must be a list of functions target(model, feeds) that compute the "
+                f"outputs (JAX has no output variables to name), got {target_vars!r}"
+            )
+        names, targets = list(feeded_var_names), list(target_vars)
+        model_of, params = _pure_model(trainer.model)
+
+        def outputs(params: Any, *inputs: Any) -> list[Any]:
+            model, feeds = model_of(params), dict(zip(names, inputs, strict=True))
+            return [target(model, feeds) for target in targets]
+
+        export.save_inference_model(dirname, outputs, params, example_inputs)
+
+    def _trained(self, call: str) -> Trainer:
+        if self._trainer is None:
+            raise RuntimeError(
+                f"{call} saves the fleet's trained model, and the fleet has not trained yet: "
+                "train with fleet.minimize(loss_fn, batch) (or the optimizer's minimize / "
+                "backward + step) first, or use fleetjax's form with a path first"
+            )
+        return self._trainer
 
     def load_inference_model(self, dirname: str | os.PathLike[str]) -> export.InferenceModel:
         """The exported model in `dirname`, callable with plain JAX."""
         return export.load_inference_model(dirname)
 
-    # -- parameter-server runtime: not supported -------------------------------------------
-    def init_worker(self, *args: object, **kwargs: object) -> None:
-        raise _ParameterServerCallError(_PS_ERROR.format("init_worker"))
+    # -- parameter-server runtime (fleetjax.fleet._ps) -------------------------------------
+    def init_worker(self, scopes: object = None) -> None:
+        """A trainer's start in parameter-server mode: logs and returns (the tables live on
+        the trainers' devices; nothing to pull). `scopes` are Paddle's static-graph scopes."""
+        del scopes  # JAX has no scopes
+        runtime_call(self._checked_role(), "init_worker")
 
     def init_server(self, *args: object, **kwargs: object) -> None:
-        raise _ParameterServerCallError(_PS_ERROR.format("init_server"))
+        """A server's start in parameter-server mode: logs and returns (it holds no table)."""
+        runtime_call(self._checked_role(), "init_server", bool(args or kwargs))
 
     def run_server(self) -> None:
-        raise _ParameterServerCallError(_PS_ERROR.format("run_server"))
+        """A server's loop in parameter-server mode: logs and returns (nothing to serve)."""
+        runtime_call(self._checked_role(), "run_server")
 
     def stop_worker(self) -> None:
-        raise _ParameterServerCallError(_PS_ERROR.format("stop_worker"))
+        """A trainer's end in parameter-server mode: logs and returns."""
+        runtime_call(self._checked_role(), "stop_worker")
 
 
-def _join_processes(role: RoleMakerBase) -> None:
-    """`jax.distributed.initialize` for this worker; the coordinator is worker 0's endpoint
-    unless `JAX_COORDINATOR_ADDRESS` names another."""
-    if jax.distributed.is_initialized():
-        if jax.process_count() != role.worker_num:
-            raise RuntimeError(
-                f"jax.distributed already joined {jax.process_count()} processes, but the "
-                f"role lists {role.worker_num} workers"
-            )
-        return
-    coordinator = os.environ.get("JAX_COORDINATOR_ADDRESS") or role.worker_endpoints[0]
-    try:
-        jax.distributed.initialize(
-            coordinator_address=coordinator,
-            num_processes=role.worker_num,
-            process_id=role.worker_index,
+def _no_meaning(call: str, **arguments: Any) -> None:
+    """Warn once for each Paddle argument given that JAX has no counterpart of."""
+    for name, value in arguments.items():
+        if value is not None:
+            warn_once(_NO_EXECUTOR.format(name, call))
+
+
+def _feeds(batch_spec: Any, names: Sequence[str]) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The shapes of the batch entries `names` (Paddle's `feeded_var_names`)."""
+    if isinstance(names, (str, bytes)) or not names:
+        raise TypeError(f"feeded_var_names must be a non-empty list of names, got {names!r}")
+    if not isinstance(batch_spec, Mapping):
+        raise ValueError(
+            "feeded_var_names name entries of the batch dict the fleet trains on, but its "
+            f"batch is a {type(batch_spec).__name__}; export with "
+            "fleet.save_inference_model(dirname, fn, params, example_inputs) instead"
         )
-    except RuntimeError as e:
-        raise RuntimeError(
-            f"could not join {role.worker_num} processes through {coordinator}: {e}. "
-            "fleet.init() must run before any JAX computation in each process."
-        ) from e
+    missing = [name for name in names if name not in batch_spec]
+    if missing:
+        raise ValueError(
+            f"feeded_var_names {missing} are not in the batch the fleet trained on, whose "
+            f"entries are {sorted(batch_spec)}"
+        )
+    return tuple(batch_spec[name] for name in names)
+
+
+def _pure_model(model: Any) -> tuple[Callable[[Any], Any], Any]:
+    """(a function from parameters to the model, its parameters): for an nnx Module, its
+    variables but the random-number state as a dict, and the module rebuilt from them in eval
+    mode; for a pytree of parameters, itself."""
+    if not isinstance(model, nnx.Module):
+        return (lambda params: params), model
+    graphdef, arrays, rngs = nnx.split(model, nnx.Not(nnx.RngState), ...)
+
+    def model_of(params: Any) -> nnx.Module:
+        state = jax.tree.map(lambda x: x, arrays)
+        nnx.replace_by_pure_dict(state, params)
+        module = nnx.merge(graphdef, state, rngs)
+        module.eval()
+        return module
+
+    return model_of, nnx.to_pure_dict(arrays)

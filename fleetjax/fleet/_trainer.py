@@ -14,6 +14,7 @@ Every strategy applies exactly as with the functional step, which it calls once 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -24,13 +25,13 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from fleetjax.distributed_optimizer import DistributedOptimizer
-from fleetjax.layers import partition_specs
+from fleetjax.layers import is_table, partition_specs
 from fleetjax.optimizers import get_lr, param_names, set_lr
 from fleetjax.step import TrainStep, make_train_step
 from fleetjax.strategy import DistributedStrategy, Strategy
 from fleetjax.train_state import TrainState
 
-__all__ = ["Trainer"]
+__all__ = ["Trainer", "learning_rate"]
 
 _HELD = (
     "gradients from an earlier backward() are still held: call clear_grad() first (Paddle "
@@ -92,7 +93,7 @@ class Trainer:
         step_loss, params, model_state, state_specs = loss_fn, model, None, None
         if self._module is not None:
             graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)
-            params = nnx.to_pure_dict(param_state)
+            params = _with_tables(param_state, nnx.to_pure_dict(param_state))
             at = mesh if mesh is not None else getattr(optimizer, "mesh", None)
             if param_specs is None:
                 param_specs = nnx.to_pure_dict(partition_specs(param_state, mesh=at))
@@ -207,7 +208,7 @@ class Trainer:
           ValueError: if the optimizer keeps no learning rate in its state (build it with
             `fleetjax.optimizers.sgd/momentum/adam/adamw`).
         """
-        return float(np.ravel(jax.device_get(get_lr(self.state.opt_state)))[0])
+        return learning_rate(self.state.opt_state)
 
     def set_lr(self, value: float) -> None:
         """Use the learning rate `value` from the next step on (Paddle's `set_lr`).
@@ -243,6 +244,15 @@ class Trainer:
                 nnx.update(self._module, self.state.model_state)
 
 
+def _with_tables(param_state: nnx.State, params: dict[str, Any]) -> dict[str, Any]:
+    """`params` (a pure dict) with the model's sparse tables kept as `SparseTable`s: the step
+    trains those by their touched rows (`fleetjax.layers.SparseEmbedding`)."""
+    for path, variable in nnx.to_flat_state(param_state):
+        if is_table(variable):
+            functools.reduce(lambda d, key: d[key], path[:-1], params)[path[-1]] = variable
+    return params
+
+
 def _module_loss(
     loss_fn: Callable[..., Any], graphdef: nnx.GraphDef, has_aux: bool, stateful: bool
 ) -> Callable[..., Any]:
@@ -261,6 +271,12 @@ def _module_loss(
     if stateful:
         return loss
     return lambda params, batch, *extra: loss(params, {}, batch, *extra)
+
+
+def learning_rate(opt_state: Any) -> float:
+    """The learning rate in `opt_state` as Paddle's `get_lr` returns it: a Python float, the
+    shortest decimal that is the stored value (0.2, not the float32's 0.20000000298...)."""
+    return float(str(np.ravel(jax.device_get(get_lr(opt_state)))[0]))
 
 
 # -- optimizer state as a nested dict ------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Megatron tensor-parallel layers (Paddle's `fleet.meta_parallel`) as flax nnx modules, and the
-logical-axis rules that place their parameters and activations on the mesh.
+"""Megatron tensor-parallel layers (Paddle's `fleet.meta_parallel`) and sparse embedding tables
+(Paddle's parameter-server `sparse_embedding`) as flax nnx modules, and the logical-axis rules
+that place their parameters and activations on the mesh.
 
     specs = partition_specs(nnx.state(model), mesh=mesh)      # logical names -> mesh axes
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
@@ -8,8 +9,8 @@ logical-axis rules that place their parameters and activations on the mesh.
         loss = jax.jit(loss_fn, in_shardings=(shardings, batch_sharding))(state, batch)
 
 Parameters name their dimensions with logical axes (``"vocab"``, ``"embed"``, ``"mlp"``); the
-rules (`DEFAULT_RULES`, overridable) map the split ones to ``mp``, and activations' batch to
-``dp`` x ``sharding``.
+rules (`DEFAULT_RULES`, overridable) map the split ones to ``mp``, a sparse table's rows
+(``"table_rows"``) to every mesh axis, and activations' batch to ``dp`` x ``sharding``.
 """
 
 from fleetjax.layers._params import logical_param
@@ -26,12 +27,21 @@ from fleetjax.layers.partitioning import (
     logical_to_spec,
     partition_specs,
 )
+from fleetjax.layers.sparse_embedding import (
+    SparseEmbedding,
+    SparseTable,
+    is_table,
+    lookup,
+    sparse_table,
+)
 
 __all__ = [
     "BatchNorm",
     "ColumnParallelLinear",
     "ParallelCrossEntropy",
     "RowParallelLinear",
+    "SparseEmbedding",
+    "SparseTable",
     "VocabParallelEmbedding",
     "parallel_cross_entropy",
     "DEFAULT_RULES",
@@ -39,7 +49,10 @@ __all__ = [
     "LogicalRules",
     "constrain",
     "current_rules",
+    "is_table",
     "logical_param",
     "logical_to_spec",
+    "lookup",
     "partition_specs",
+    "sparse_table",
 ]

@@ -53,6 +53,8 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("embed", None),
     ("kv", None),
     ("layers", None),
+    # A sparse table's rows are split over every device (fleetjax.layers.SparseEmbedding).
+    ("table_rows", ("dp", "sharding", "pp", "mp")),
     # Activations: the batch is split over the data axes, features as their weights are.
     ("activation_batch", ("dp", "sharding")),
     ("activation_length", None),

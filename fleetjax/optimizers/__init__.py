@@ -1,7 +1,18 @@
-"""Optimizers: Paddle's optimizers as optax transformations, and the large-batch and
-communication-efficient ones Paddle's optimizer switches rebuild them as (`rebuild`)."""
+"""Optimizers: Paddle's optimizers as optax transformations (also as Paddle's classes, with its
+gradient clips and `L2Decay`), and the large-batch and communication-efficient ones Paddle's
+optimizer switches rebuild them as (`rebuild`)."""
 
 from fleetjax.optimizers._basic import PaddleOptimizer, adam, adamw, clip_by_norm, momentum, sgd
+from fleetjax.optimizers._classes import (
+    SGD,
+    Adam,
+    AdamW,
+    ClipGradByGlobalNorm,
+    ClipGradByNorm,
+    ClipGradByValue,
+    L2Decay,
+    Momentum,
+)
 from fleetjax.optimizers._dgc import (
     DGCState,
     dgc,
@@ -11,6 +22,7 @@ from fleetjax.optimizers._dgc import (
     sparsity_at,
     top_k_count,
 )
+from fleetjax.optimizers._geo import GeoState, geo_sgd
 from fleetjax.optimizers._lamb import lamb, scale_by_lamb_trust_ratio
 from fleetjax.optimizers._lars import lars, scale_by_lars
 from fleetjax.optimizers._localsgd import (
@@ -36,9 +48,20 @@ __all__ = [
     "dgc",
     "get_lr",
     "set_lr",
+    # ... as Paddle's classes, with Paddle's arguments
+    "SGD",
+    "Momentum",
+    "Adam",
+    "AdamW",
+    "ClipGradByNorm",
+    "ClipGradByGlobalNorm",
+    "ClipGradByValue",
+    "L2Decay",
     # per-replica wrappers, run inside shard_map
     "localsgd",
     "adaptive_localsgd",
+    "geo_sgd",
+    "GeoState",
     "LocalSGDState",
     "AdaptiveLocalSGDState",
     # building blocks

@@ -1,5 +1,6 @@
-"""Paddle's optimizer switches: rebuilds for LARS, LAMB and DGC, wrappers for LocalSGD and
-Adaptive LocalSGD, refusing with a clear error what Paddle would silently drop."""
+"""Paddle's optimizer switches: rebuilds for LARS, LAMB and DGC, wrappers for LocalSGD,
+Adaptive LocalSGD and Geo-SGD (`a_sync` with `a_sync_configs.k_steps`), refusing with a clear
+error what Paddle would silently drop."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import optax
 from fleetjax.mesh import DATA_AXES
 from fleetjax.optimizers._basic import PaddleOptimizer
 from fleetjax.optimizers._dgc import dgc
+from fleetjax.optimizers._geo import geo_sgd
 from fleetjax.optimizers._lamb import lamb
 from fleetjax.optimizers._lars import lars
 from fleetjax.optimizers._localsgd import adaptive_localsgd, localsgd
@@ -55,9 +57,9 @@ def rebuild(
     switch's `configs` (its `*_configs`, e.g. a plan's `OptimizerSwitch`).
 
     `lars` turns a Momentum into `lars(...)`, `lamb` an Adam into `lamb(...)`, `dgc` a
-    Momentum into `dgc(...)`; `localsgd` and `adaptive_localsgd` wrap the optimizer. The DGC
-    and LocalSGD results run inside `jax.shard_map` over `axis_names`, on each replica's local
-    gradients and state.
+    Momentum into `dgc(...)`; `localsgd`, `adaptive_localsgd` and `geo` (Geo-SGD) wrap the
+    optimizer. The DGC, LocalSGD and Geo-SGD results run inside `jax.shard_map` over
+    `axis_names`, on each replica's local gradients and state.
 
     Raises:
       TypeError: if a switch must rebuild a plain optax transformation (it needs one from
@@ -66,16 +68,42 @@ def rebuild(
         of optimizer (LARS on Adam, ...), DGC or LocalSGD with one data-parallel replica, or a
         setting the rebuild would lose.
     """
+    if switch == "geo":  # wraps any optimizer, on any number of replicas
+        return geo_sgd(optimizer, configs["k_steps"], axis_names)
     if switch not in _NEEDS:
-        raise ValueError(f"switch must be one of {', '.join(_NEEDS)}, got {switch!r}")
+        raise ValueError(f"switch must be one of {', '.join(_NEEDS)}, geo, got {switch!r}")
     _kind_check(switch, optimizer)
     if switch in ("dgc", "localsgd", "adaptive_localsgd") and data_parallel_size < 2:
         raise ValueError(
             f"strategy.{switch} needs more than one data-parallel replica (Paddle applies it "
             f"only on several cards); data_parallel_size is {data_parallel_size}"
         )
-    hp = dict(optimizer.hyperparams) if isinstance(optimizer, PaddleOptimizer) else {}
+    if switch == "localsgd":
+        return localsgd(optimizer, configs["k_steps"], configs["begin_step"], axis_names)
+    if switch == "adaptive_localsgd":
+        return adaptive_localsgd(
+            optimizer, configs["init_k_steps"], configs["begin_step"], axis_names
+        )
+    hp = dict(optimizer.hyperparams)
+    # A global-norm or by-value clip (the classes' grad_clip) goes first, as in the user's.
+    grad_clip = hp.get("grad_clip")
+    if switch == "dgc" and grad_clip is not None:
+        raise TypeError(
+            "strategy.dgc: the Momentum's grad_clip must be a ClipGradByNorm, because Paddle's "
+            f"DGCMomentumOptimizer only supports ClipGradByNorm; got {grad_clip!r}"
+        )
+    rebuilt = _rebuilt(switch, hp, configs, axis_names)
+    if grad_clip is None:
+        return rebuilt
+    tx = optax.chain(grad_clip.transformation(), rebuilt)
+    hyperparams = {**rebuilt.hyperparams, "grad_clip": grad_clip}
+    return PaddleOptimizer(tx.init, tx.update, rebuilt.kind, hyperparams)
 
+
+def _rebuilt(
+    switch: str, hp: dict[str, Any], configs: Mapping[str, Any], axis_names: Sequence[str]
+) -> PaddleOptimizer:
+    """LARS, LAMB or DGC from the user's hyper-parameters `hp` and the switch's configs."""
     if switch == "lars":
         if hp["use_nesterov"]:
             raise ValueError(
@@ -108,18 +136,14 @@ def rebuild(
             configs["exclude_from_weight_decay"],
             clip_norm=hp["clip_norm"],
         )
-    if switch == "dgc":
-        return dgc(
-            hp["learning_rate"],
-            hp["momentum"],
-            use_nesterov=hp["use_nesterov"],
-            weight_decay=hp["weight_decay"],
-            clip_norm=hp["clip_norm"],
-            rampup_begin_step=configs["rampup_begin_step"],
-            rampup_step=configs["rampup_step"],
-            sparsity=configs["sparsity"],
-            axis_names=axis_names,
-        )
-    if switch == "localsgd":
-        return localsgd(optimizer, configs["k_steps"], configs["begin_step"], axis_names)
-    return adaptive_localsgd(optimizer, configs["init_k_steps"], configs["begin_step"], axis_names)
+    return dgc(
+        hp["learning_rate"],
+        hp["momentum"],
+        use_nesterov=hp["use_nesterov"],
+        weight_decay=hp["weight_decay"],
+        clip_norm=hp["clip_norm"],
+        rampup_begin_step=configs["rampup_begin_step"],
+        rampup_step=configs["rampup_step"],
+        sparsity=configs["sparsity"],
+        axis_names=axis_names,
+    )

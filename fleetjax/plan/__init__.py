@@ -17,9 +17,12 @@ from fleetjax.plan._values import (
     LossScaling,
     NoEffect,
     OptimizerSwitch,
+    ParameterServer,
     Pipeline,
     Plan,
     Recompute,
+    SparseRuleConfig,
+    SparseTableConfig,
 )
 
 __all__ = [
@@ -33,9 +36,12 @@ __all__ = [
     "LossScaling",
     "NoEffect",
     "OptimizerSwitch",
+    "ParameterServer",
     "Pipeline",
     "Plan",
     "Recompute",
+    "SparseRuleConfig",
+    "SparseTableConfig",
     "check_mesh",
     "mesh_for",
     "read_plan",

@@ -183,29 +183,42 @@ def ignored_knobs(strategy: DistributedStrategy | Strategy) -> tuple[NoEffect, .
     return tuple(found)
 
 
-def noted_fields(message: Message, prefix: str = "") -> Iterator[tuple[str, str]]:
-    """(path, note) for every non-default field whose schema says it has no effect here."""
+def noted_fields(message: Message, prefix: str = "") -> Iterator[tuple[str, str, Any]]:
+    """(path, note, value) for every non-default field whose schema says it has no effect here,
+    within repeated messages too (``downpour_table_param[0].shard_num``)."""
     for f in message._spec.fields:
         value = message._get(f.name)
         path = prefix + f.name
         if f.note:
             changed = value.non_defaults() if isinstance(value, Message) else None
             if changed or (changed is None and message._plain(f.name) != f.default):
-                yield path, f.note
+                yield path, f.note, changed or value
         elif isinstance(value, Message):
             yield from noted_fields(value, path + ".")
+        elif f.is_message and f.repeated:
+            for i, element in enumerate(value):
+                yield from _noted_values(f.type, element, f"{path}[{i}].")
 
 
-def _value(message: Message, path: str) -> Any:
-    value = _get(message, path)
-    return value.non_defaults() if isinstance(value, Message) else value
+def _noted_values(spec: Any, values: dict[str, Any], prefix: str) -> Iterator[tuple[str, str, Any]]:
+    """`noted_fields` of an element of a repeated message (a dict of the values set)."""
+    for f in spec.fields:
+        if f.name not in values:
+            continue
+        path, value = prefix + f.name, values[f.name]
+        if f.note and value != f.default:
+            yield path, f.note, value
+        elif f.is_message and not f.repeated:
+            yield from _noted_values(f.type, value, path + ".")
+        elif f.is_message:
+            for i, element in enumerate(value):
+                yield from _noted_values(f.type, element, f"{path}[{i}].")
 
 
 def no_effect(strategy: DistributedStrategy | Strategy) -> tuple[NoEffect, ...]:
     """The settings of `strategy` without effect: fields whose schema notes they have no JAX
     meaning, and fusions XLA cannot turn off (`ignored_knobs`)."""
     noted = tuple(
-        NoEffect(f"{path}={_value(strategy, path)!r}", note)
-        for path, note in noted_fields(strategy)
+        NoEffect(f"{path}={value!r}", note) for path, note, value in noted_fields(strategy)
     )
     return noted + ignored_knobs(strategy)

@@ -17,6 +17,7 @@ from fleetjax._warnings import warn_once
 from fleetjax.plan import _knobs
 from fleetjax.plan._degrees import set_degrees, strategy_degrees, strategy_order
 from fleetjax.plan._values import (
+    DEFAULT_SPARSE_RULE,
     PER_REPLICA_SWITCHES,
     Amp,
     GradientMerge,
@@ -24,9 +25,12 @@ from fleetjax.plan._values import (
     LossScaling,
     NoEffect,
     OptimizerSwitch,
+    ParameterServer,
     Pipeline,
     Plan,
     Recompute,
+    SparseRuleConfig,
+    SparseTableConfig,
 )
 from fleetjax.strategy import DistributedStrategy, Strategy
 from fleetjax.transforms import amp
@@ -100,6 +104,7 @@ def _fleet_plan(s: DistributedStrategy) -> Plan:
         )
     stage, offload = _sharding(s)
     pipe = s.pipeline_configs
+    pipelined = s.pipeline or s.hybrid_configs["pp_degree"] > 1
     recompute = s.recompute_configs
     return Plan(
         strategy="DistributedStrategy",
@@ -115,7 +120,7 @@ def _fleet_plan(s: DistributedStrategy) -> Plan:
         if s.recompute
         else None,
         amp=_fleet_amp(s),
-        gradient_merge=_fleet_merge(s),
+        gradient_merge=_fleet_merge(s, pipelined),
         allreduce_dtype=s.fp16_allreduce_dtype if s.fp16_allreduce else None,
         hierarchical=Hierarchical(
             # Paddle's default: the devices of one machine.
@@ -130,14 +135,19 @@ def _fleet_plan(s: DistributedStrategy) -> Plan:
         pipeline=_pipeline(
             pipe["schedule_mode"], pipe["micro_batch_size"], pipe["accumulate_steps"], 0
         )
-        if s.pipeline or s.hybrid_configs["pp_degree"] > 1
+        if pipelined
         else None,
         iterations_per_run=s.execution_strategy.num_iteration_per_run,
         optimizer=switch,
+        parameter_server=_parameter_server(s),
         sync_batch_norm=s.sync_batch_norm,
         auto=s.auto,
         xla_flags=_knobs.flags_for(s),
-        no_effect=_knobs.no_effect(s),
+        no_effect=(
+            *_knobs.no_effect(s),
+            *_a_sync_no_effect(s),
+            *_sharding_merge_replaced(s, pipelined),
+        ),
     )
 
 
@@ -174,10 +184,103 @@ def _optimizer_switch(s: DistributedStrategy) -> OptimizerSwitch | None:
             f"strategy turns on {' and '.join(on)}; Paddle applies at most one of "
             f"{', '.join(OPTIMIZER_SWITCHES)} (it drops the others); turn all but one off"
         )
+    geo = _geo_k_steps(s)
+    if geo and on:
+        raise ValueError(
+            f"a_sync with a_sync_configs.k_steps={geo} (Geo-SGD) and {on[0]} cannot be "
+            "combined: both make each replica step its own optimizer; turn one off"
+        )
+    if geo:
+        return OptimizerSwitch("geo", types.MappingProxyType({"k_steps": geo}))
     if not on:
         return None
     configs = getattr(s, f"{on[0]}_configs")
     return OptimizerSwitch(on[0], types.MappingProxyType(dict(configs.to_dict())))
+
+
+# -- parameter server ----------------------------------------------------------------------------
+
+# The section of `SGDParameter` each rule reads.
+_RULE_SECTIONS = {
+    "SparseNaiveSGDRule": "naive",
+    "SparseAdaGradSGDRule": "adagrad",
+    "StdAdaGradSGDRule": "adagrad",
+    "SparseAdamSGDRule": "adam",
+    "SparseSharedAdamSGDRule": "adam",
+}
+
+
+def _geo_k_steps(s: DistributedStrategy) -> int:
+    """Geo-SGD's interval: `a_sync_configs.k_steps` when `a_sync` is set True, else 0.
+
+    Paddle's parameter-server modes are a_sync False sync, True with k_steps 0 async and > 0
+    Geo; a strategy that leaves `a_sync` at its default (True) is a collective one, where
+    Paddle ignores both."""
+    k_steps = s.a_sync_configs["k_steps"]
+    return k_steps if s.is_set("a_sync") and s.a_sync and k_steps > 0 else 0
+
+
+def _a_sync_no_effect(s: DistributedStrategy) -> tuple[NoEffect, ...]:
+    k_steps = s.a_sync_configs["k_steps"]
+    if s.is_set("a_sync") and s.a_sync and k_steps <= 0:
+        why = (
+            "asynchronous parameter-server training (each trainer pushing stale gradients "
+            "without waiting) has no SPMD counterpart: every step runs synchronously, as with "
+            "a_sync=False (a_sync_configs.k_steps > 0 is Geo-SGD)"
+        )
+        return (NoEffect("a_sync=True", why),)
+    if k_steps > 0 and not _geo_k_steps(s):
+        why = "k_steps is Geo-SGD's interval, which needs a_sync set to True"
+        return (NoEffect(f"a_sync_configs.k_steps={k_steps}", why),)
+    return ()
+
+
+def _parameter_server(s: DistributedStrategy) -> ParameterServer:
+    tables = tuple(_table_config(t) for t in s.sparse_table_configs)
+    names = [t.table_name for t in tables]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated or "" in names:
+        raise ValueError(
+            "sparse_table_configs: each table needs its own table_name, got "
+            f"{'repeated ' + str(repeated) if repeated else 'an empty one'}"
+        )
+    return ParameterServer(_geo_k_steps(s), tables)
+
+
+def _table_config(table: Any) -> SparseTableConfig:
+    accessor, where = table.accessor, f"sparse_table_configs[{table.table_name!r}].accessor"
+    if accessor.accessor_class not in ("", "SparseAccessor"):
+        raise NotImplementedError(
+            f"{where}.accessor_class={accessor.accessor_class!r}: Paddle's CTR accessors add "
+            "show/click columns to a table's rows, which fleetjax does not model; use "
+            "'SparseAccessor' (or leave it unset)"
+        )
+    return SparseTableConfig(
+        table_name=table.table_name,
+        accessor_class=accessor.accessor_class,
+        fea_dim=accessor.fea_dim if accessor.is_set("fea_dim") else None,
+        embedx_dim=accessor.embedx_dim if accessor.is_set("embedx_dim") else None,
+        embed=_rule_config(accessor.embed_sgd_param, f"{where}.embed_sgd_param"),
+        embedx=_rule_config(accessor.embedx_sgd_param, f"{where}.embedx_sgd_param"),
+    )
+
+
+def _rule_config(sgd: Any, where: str) -> SparseRuleConfig:
+    # Unset: Paddle's default accessor rule, with the bounds Paddle's runtime adds.
+    name = sgd.name or DEFAULT_SPARSE_RULE.name
+    if name not in _RULE_SECTIONS:
+        raise NotImplementedError(
+            f"{where}.name={name!r} is not available in fleetjax; use one of "
+            f"{', '.join(_RULE_SECTIONS)}"
+        )
+    section = _RULE_SECTIONS[name]
+    params = sgd[section].to_dict()
+    params.pop("initial_range")  # the table starts as its layer initialised it
+    bounds = params.pop("weight_bounds") or DEFAULT_SPARSE_RULE.params["weight_bounds"]
+    if len(bounds) < 2:
+        raise ValueError(f"{where}.{section}.weight_bounds needs [low, high], got {bounds}")
+    params["weight_bounds"] = (float(bounds[0]), float(bounds[1]))
+    return SparseRuleConfig(name, types.MappingProxyType(params))
 
 
 def _fleet_amp(s: DistributedStrategy) -> Amp | None:
@@ -204,12 +307,13 @@ def _fleet_amp(s: DistributedStrategy) -> Amp | None:
     return Amp(policy, _loss_scaling(c, dtype, "amp_configs"))
 
 
-def _fleet_merge(s: DistributedStrategy) -> GradientMerge | None:
+def _fleet_merge(s: DistributedStrategy, pipelined: bool) -> GradientMerge | None:
     """From `gradient_merge_configs`, or `sharding_configs.gradient_merge_acc_step` under
-    sharding (Paddle's sharding gradient merge, which runs across calls)."""
+    sharding (Paddle's sharding gradient merge, which runs across calls) without a pipeline."""
     config = s.gradient_merge_configs
     merge = (config["k_steps"], config["avg"], config["mode"] == "in_step")
     acc_step = s.sharding_configs["gradient_merge_acc_step"] if s.sharding else 1
+    acc_step = 1 if pipelined else acc_step  # see _sharding_merge_replaced
     if s.gradient_merge and config["k_steps"] > 1:
         if acc_step > 1 and acc_step != config["k_steps"]:
             raise ValueError(
@@ -218,6 +322,19 @@ def _fleet_merge(s: DistributedStrategy) -> GradientMerge | None:
             )
         return GradientMerge(*merge)
     return GradientMerge(acc_step, True, False) if acc_step > 1 else None
+
+
+def _sharding_merge_replaced(s: DistributedStrategy, pipelined: bool) -> tuple[NoEffect, ...]:
+    """Under a pipeline Paddle's sharding optimizer merges the pipeline's micro-batches
+    (`accumulate_steps`) in place of `gradient_merge_acc_step`."""
+    acc_step = s.sharding_configs["gradient_merge_acc_step"]
+    if not (pipelined and s.sharding and acc_step > 1):
+        return ()
+    why = (
+        "under the pipeline, Paddle's sharding merges the pipeline's micro-batches instead "
+        "(pipeline_configs.accumulate_steps)"
+    )
+    return (NoEffect(f"sharding_configs.gradient_merge_acc_step={acc_step}", why),)
 
 
 def _sharding(s: DistributedStrategy) -> tuple[int, bool]:
@@ -328,26 +445,19 @@ def _checked_combinations(plan: Plan) -> Plan:
             "optimizer state, ZeRO splits one copy of it over the sharding axis"
         )
     if plan.pipeline is not None:
-        merge = plan.gradient_merge
-        clash = (
-            "gradient merge in one call (the pipeline's accumulate_steps is that)"
-            if merge is not None and merge.in_step
-            else "dgc/localsgd"
-            if plan.per_replica
-            else "fp16_allreduce"
-            if plan.allreduce_dtype is not None
-            else None
-        )
-        if clash:
-            raise ValueError(f"the pipeline does not combine with {clash}")
+        if plan.per_replica:
+            raise ValueError(
+                "the pipeline does not combine with dgc/localsgd: they step each data-parallel "
+                "replica's optimizer inside their own shard_map, which the pipeline's program "
+                "over pp cannot run in"
+            )
+        plan = _merged_into_pipeline(plan)
     if plan.hierarchical is not None:
         clash = (
             "ZeRO stage 2/3 (it reduce-scatters over the sharding axis)"
             if plan.sharding_stage >= 2
             else "dgc/localsgd (they do their own communication)"
             if plan.per_replica
-            else "the pipeline (it reduces over the data axes itself)"
-            if plan.pipeline is not None
             else None
         )
         if clash:
@@ -367,3 +477,33 @@ def _checked_combinations(plan: Plan) -> Plan:
             ),
         )
     return plan
+
+
+def _merged_into_pipeline(plan: Plan) -> Plan:
+    """Under a pipeline, gradient merge in one call is the pipeline's accumulation, as in
+    Paddle's auto-parallel engine: the batch is cut into `k_steps` micro-batches
+    (`accumulate_steps`), and their gradients are averaged (Paddle sets `avg=True`)."""
+    merge, pipe = plan.in_step_merge, plan.pipeline
+    if merge is None:
+        return plan
+    if pipe.accumulate_steps not in (1, merge.k_steps):
+        raise ValueError(
+            f"under the pipeline, gradient merge in one call is the pipeline's accumulation: "
+            f"gradient_merge k_steps={merge.k_steps} and pipeline accumulate_steps="
+            f"{pipe.accumulate_steps} ask for different numbers of micro-batches; set one of "
+            "them, or both to the same number"
+        )
+    field = "gradient_merge" if plan.strategy == "Strategy" else "gradient_merge_configs"
+    avg = () if merge.avg else (NoEffect(f"{field}.avg=False", _AVERAGED_UNDER_PIPELINE),)
+    return dataclasses.replace(
+        plan,
+        pipeline=dataclasses.replace(pipe, accumulate_steps=merge.k_steps),
+        gradient_merge=dataclasses.replace(merge, avg=True),
+        no_effect=(*plan.no_effect, *avg),
+    )
+
+
+_AVERAGED_UNDER_PIPELINE = (
+    "under the pipeline, gradient merge is the pipeline's accumulation, whose gradient is the "
+    "mean over its micro-batches (Paddle sets avg=True there too)"
+)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -11,8 +12,9 @@ from fleetjax.xla_flags import Flag
 
 # The optimizer switches after which each data-parallel replica steps its own optimizer state
 # (they do their own communication), and of those, the ones whose parameters drift apart too.
-PER_REPLICA_SWITCHES = ("dgc", "localsgd", "adaptive_localsgd")
-REPLICA_PARAMS_SWITCHES = ("localsgd", "adaptive_localsgd")
+# `geo` is Geo-SGD (a_sync with a_sync_configs.k_steps > 0).
+PER_REPLICA_SWITCHES = ("dgc", "localsgd", "adaptive_localsgd", "geo")
+REPLICA_PARAMS_SWITCHES = ("localsgd", "adaptive_localsgd", "geo")
 
 
 class Degrees(NamedTuple):
@@ -88,6 +90,56 @@ class OptimizerSwitch:
 
 
 @dataclasses.dataclass(frozen=True)
+class SparseRuleConfig:
+    """One of Paddle's `SGDParameter`s (a table's `embed_sgd_param` or `embedx_sgd_param`):
+    the rule's name and its parameters, as `fleetjax.transforms.sparse_rows.paddle_rule`
+    takes them."""
+
+    name: str
+    params: Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseTableConfig:
+    """One of `sparse_table_configs` (Paddle's `TableParameter`): the table's name, what its
+    accessor says of the table's width (None: not set) and its two rules."""
+
+    table_name: str
+    accessor_class: str
+    fea_dim: int | None
+    embedx_dim: int | None
+    embed: SparseRuleConfig
+    embedx: SparseRuleConfig
+
+
+# What a table gets that `sparse_table_configs` does not name: Paddle's default accessor rule,
+# `SparseAdaGradSGDRule` with its defaults and the bounds Paddle's runtime adds.
+DEFAULT_SPARSE_RULE = SparseRuleConfig(
+    "SparseAdaGradSGDRule",
+    types.MappingProxyType(
+        {"learning_rate": 0.05, "initial_g2sum": 3.0, "weight_bounds": (-10.0, 10.0)}
+    ),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterServer:
+    """Paddle's parameter-server settings, for steps that train sparse tables: `a_sync` and
+    `a_sync_configs.k_steps` (Geo-SGD every `geo_k_steps` steps; 0: the synchronous step) and
+    the tables' configs."""
+
+    geo_k_steps: int = 0
+    tables: tuple[SparseTableConfig, ...] = ()
+
+    def table(self, name: str) -> SparseTableConfig:
+        """The config of the table `name`: from `sparse_table_configs`, else the default."""
+        for config in self.tables:
+            if config.table_name == name:
+                return config
+        return SparseTableConfig(name, "", None, None, DEFAULT_SPARSE_RULE, DEFAULT_SPARSE_RULE)
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """Everything a strategy asks for, decoded once by `read_plan`: the mesh, the transforms
     of the train step (None means off), the optimizer switch, the XLA flags and the settings
@@ -110,6 +162,7 @@ class Plan:
     # any number; `Strategy` has no such knob).
     iterations_per_run: int | None = None
     optimizer: OptimizerSwitch | None = None
+    parameter_server: ParameterServer = dataclasses.field(default_factory=ParameterServer)
     sync_batch_norm: bool | None = None  # None: the strategy has no such switch (`Strategy`)
     auto: bool = False  # DistributedStrategy.auto: `fleetjax.auto.search` picks the layout
     xla_flags: tuple[Flag, ...] = ()

@@ -1,8 +1,11 @@
 """Role makers: which trainer this process is, and who the others are
 (Paddle's `paddle.distributed.fleet.base.role_maker`).
 
-Collective mode only: every process is a worker (trainer). The worker count is the number of
-worker endpoints, as in Paddle. Each role maker answers Paddle's role queries (`_worker_index()`,
+In collective mode every process is a worker (trainer); the worker count is the number of
+worker endpoints, as in Paddle. In parameter-server mode (`is_collective=False`) a process is a
+trainer or a server, as Paddle's `TRAINING_ROLE` says; the trainers are the workers of one SPMD
+job (fleetjax's tables live sharded over their devices) and the servers take part in nothing
+(`fleet.run_server()` returns). Each role maker answers Paddle's role queries (`_worker_index()`,
 `_worker_num()`, `_get_trainer_endpoints()`, ...; the interface a user-defined role maker
 implements) and carries Paddle's collectives between workers (`_all_reduce`, `_all_gather`,
 `_barrier`, which `fleet.util` uses). The plain attributes (`worker_index`, `worker_num`,
@@ -30,9 +33,8 @@ __all__ = [
 ]
 
 _LOCAL_ENDPOINT = "127.0.0.1:6170"  # Paddle's endpoint for a single, non-distributed trainer
-_PS_ERROR = (
-    "parameter-server mode is not supported yet: fleetjax trains in collective mode "
-    "(is_collective=True)"
+_PS_ONLY = (
+    "server_endpoints and role=Role.SERVER are parameter-server settings: pass is_collective=False"
 )
 _REDUCE: dict[str, Callable[..., np.ndarray]] = {
     "sum": np.sum,
@@ -43,7 +45,8 @@ _REDUCE: dict[str, Callable[..., np.ndarray]] = {
 
 
 class Role(enum.IntEnum):
-    """Paddle's process roles; in collective mode every process is a WORKER."""
+    """Paddle's process roles; in collective mode every process is a WORKER, in
+    parameter-server mode a WORKER (trainer) or a SERVER."""
 
     WORKER = 1
     SERVER = 2
@@ -175,8 +178,9 @@ class RoleMakerBase:
 
     @property
     def is_distributed(self) -> bool:
-        """Whether there are several worker processes (and so `jax.distributed` is used)."""
-        return self._worker_num() > 1
+        """Whether this process is a worker among several (and so joins them with
+        `jax.distributed`); a parameter server joins nothing."""
+        return self._role != Role.SERVER and self._worker_num() > 1
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.to_string()})"
@@ -211,7 +215,11 @@ def _gather(input: Any) -> np.ndarray:
 
 
 class _CollectiveRoleMaker(RoleMakerBase):
-    """A worker among workers that JAX's multi-process runtime connects (one per process)."""
+    """A worker among workers that JAX's multi-process runtime connects (one per process), or
+    in parameter-server mode a trainer or a server."""
+
+    _trainers_num = 1
+    _non_distributed = False
 
     def _all_gather(self, input: Any, comm_world: str = "worker") -> list[Any]:
         """Every worker's `input`, as a list in worker order."""
@@ -243,7 +251,7 @@ class _CollectiveRoleMaker(RoleMakerBase):
         return self._role == Role.WORKER
 
     def _is_server(self) -> bool:
-        return False
+        return self._role == Role.SERVER
 
     def _is_coordinator(self) -> bool:
         return False
@@ -255,65 +263,25 @@ class _CollectiveRoleMaker(RoleMakerBase):
         return 0
 
     def _is_first_worker(self) -> bool:
-        return self._current_id == 0
+        return self._role == Role.WORKER and self._current_id == 0
 
     def _worker_index(self) -> int:
+        """The worker's index (Paddle's `current_id`: on a server, the server's index)."""
         return self._current_id
 
     def _role_id(self) -> int:
         return self._current_id
 
+    def _worker_num(self) -> int:
+        return self._trainers_num
+
     def _server_num(self) -> int:
-        return 0
+        return len(self._server_endpoints)
 
     def _server_index(self) -> int:
-        """0: there are no parameter servers (Paddle answers the worker index)."""
-        return 0
-
-
-class _EndpointRoleMaker(_CollectiveRoleMaker):
-    """A worker whose role is its index among the listed worker endpoints."""
-
-    def __init__(
-        self,
-        is_collective: bool,
-        worker_index: int,
-        worker_endpoints: Sequence[str],
-        current_endpoint: str | None,
-        source: str,
-    ) -> None:
-        super().__init__()
-        if not isinstance(is_collective, bool):
-            raise TypeError(f"is_collective must be bool, got {type(is_collective).__name__}")
-        if not is_collective:
-            raise NotImplementedError(_PS_ERROR)
-        if isinstance(worker_endpoints, str) or not worker_endpoints:
-            raise ValueError(f"{source}: worker endpoints must be a non-empty list of host:port")
-        endpoints = [_parse_endpoint(e, source) for e in worker_endpoints]
-        if len(set(endpoints)) != len(endpoints):
-            raise ValueError(f"{source}: worker endpoints repeat: {endpoints}")
-        if not isinstance(worker_index, int) or isinstance(worker_index, bool):
-            raise TypeError(f"{source}: the worker index must be int, got {worker_index!r}")
-        if not 0 <= worker_index < len(endpoints):
-            raise ValueError(
-                f"{source}: worker index {worker_index} is outside 0..{len(endpoints) - 1} "
-                f"for {len(endpoints)} worker endpoints"
-            )
-        expected = endpoints[worker_index]
-        if current_endpoint is not None and _parse_endpoint(current_endpoint, source) != expected:
-            raise ValueError(
-                f"{source}: the current endpoint {current_endpoint!r} is not worker "
-                f"{worker_index}'s endpoint {expected!r}"
-            )
-        self._role = Role.WORKER
-        self._current_id = worker_index
-        self._worker_endpoints = endpoints
-        self._cur_endpoint = expected
-        self._role_is_generated = True
-        self._non_distributed = False
-
-    def _worker_num(self) -> int:
-        return len(self._worker_endpoints)
+        """Paddle's `current_id` in parameter-server mode; 0 in collective mode, which has no
+        servers (Paddle answers the worker index)."""
+        return 0 if self._is_collective else self._current_id
 
     def _node_num(self) -> int:
         return len({e.rpartition(":")[0] for e in self._worker_endpoints})
@@ -324,25 +292,111 @@ class _EndpointRoleMaker(_CollectiveRoleMaker):
         return self._cur_endpoint
 
     def _is_non_distributed(self) -> bool:
-        """Whether no launcher described the workers (Paddle's plain `python train.py`)."""
+        """Whether no launcher described the processes (Paddle's plain `python train.py`)."""
         return self._non_distributed
+
+    def _parameter_server(
+        self,
+        role: Role,
+        current_id: int,
+        trainers_num: int,
+        server_endpoints: list[str],
+        worker_endpoints: list[str],
+        current_endpoint: str,
+    ) -> None:
+        """Take a parameter-server role: a trainer (`Role.WORKER`) or a server, with Paddle's
+        `current_id` (a trainer's index, or a server's in `server_endpoints`)."""
+        self._is_collective = False
+        self._role, self._current_id, self._trainers_num = role, current_id, trainers_num
+        self._server_endpoints, self._worker_endpoints = server_endpoints, worker_endpoints
+        self._cur_endpoint, self._role_is_generated = current_endpoint, True
+        self._non_distributed = False
+
+
+def _checked_index(index: Any, count: int, what: str, source: str, among: str) -> int:
+    """`index` of a `what` ("worker", "server") among `count` `among` ("worker endpoints")."""
+    if not isinstance(index, int) or isinstance(index, bool):
+        raise TypeError(f"{source}: the {what} index must be int, got {index!r}")
+    if not 0 <= index < count:
+        raise ValueError(
+            f"{source}: {what} index {index} is outside 0..{count - 1} for {count} {among}"
+        )
+    return index
+
+
+def _endpoints(text_or_list: str | Sequence[str] | None, what: str, source: str) -> list[str]:
+    """Distinct host:port endpoints of `what` ("worker", "server") from a comma-separated
+    string or a list."""
+    items = text_or_list.split(",") if isinstance(text_or_list, str) else text_or_list or []
+    endpoints = [_parse_endpoint(e, source) for e in items if e.strip()]
+    if len(set(endpoints)) != len(endpoints):
+        raise ValueError(f"{source}: {what} endpoints repeat: {endpoints}")
+    return endpoints
+
+
+class _EndpointRoleMaker(_CollectiveRoleMaker):
+    """A collective worker whose role is its index among the listed worker endpoints, or a
+    parameter-server trainer or server (`_parameter_server`)."""
+
+    def _collective(
+        self,
+        worker_index: int,
+        worker_endpoints: Sequence[str],
+        current_endpoint: str | None,
+        source: str,
+    ) -> None:
+        endpoints = _endpoints(worker_endpoints, "worker", source)
+        if not endpoints:
+            raise ValueError(f"{source}: worker endpoints must be a non-empty list of host:port")
+        count = len(endpoints)
+        worker_index = _checked_index(worker_index, count, "worker", source, "worker endpoints")
+        expected = endpoints[worker_index]
+        if current_endpoint is not None and _parse_endpoint(current_endpoint, source) != expected:
+            raise ValueError(
+                f"{source}: the current endpoint {current_endpoint!r} is not worker "
+                f"{worker_index}'s endpoint {expected!r}"
+            )
+        self._role = Role.WORKER
+        self._current_id = worker_index
+        self._worker_endpoints = endpoints
+        self._trainers_num = len(endpoints)
+        self._cur_endpoint = expected
+        self._role_is_generated = True
+        self._non_distributed = False
+
+
+def _check_mode(is_collective: Any) -> bool:
+    if not isinstance(is_collective, bool):
+        raise TypeError(f"is_collective must be bool, got {type(is_collective).__name__}")
+    return is_collective
 
 
 class PaddleCloudRoleMaker(_EndpointRoleMaker):
     """The role from the environment that `fleetrun` (or `fleetjax-run`) sets.
 
-    Reads `PADDLE_TRAINER_ID` (default 0), `PADDLE_TRAINER_ENDPOINTS` (comma-separated
-    host:port; unset means a single, non-distributed worker), `PADDLE_CURRENT_ENDPOINT`, and
-    Paddle's per-node `PADDLE_RANK_IN_NODE`, `PADDLE_LOCAL_DEVICE_IDS`,
-    `PADDLE_WORLD_DEVICE_IDS`. The worker count is the endpoint count; a `PADDLE_TRAINERS_NUM`
-    that differs warns once and is ignored, as Paddle ignores it. Unlike Paddle,
-    `is_collective` defaults to True: parameter-server mode is not supported.
+    Collective mode reads `PADDLE_TRAINER_ID` (default 0), `PADDLE_TRAINER_ENDPOINTS`
+    (comma-separated host:port; unset means a single, non-distributed worker),
+    `PADDLE_CURRENT_ENDPOINT`, and Paddle's per-node `PADDLE_RANK_IN_NODE`,
+    `PADDLE_LOCAL_DEVICE_IDS`, `PADDLE_WORLD_DEVICE_IDS`. The worker count is the endpoint
+    count; a `PADDLE_TRAINERS_NUM` that differs warns once and is ignored, as Paddle ignores it.
+
+    Parameter-server mode (`is_collective=False`) reads Paddle's `TRAINING_ROLE` (TRAINER or
+    PSERVER), `PADDLE_PSERVERS_IP_PORT_LIST`, `PADDLE_TRAINERS_NUM`, `PADDLE_TRAINER_ID` (a
+    trainer's), `POD_IP` and `PADDLE_PORT` (this process's endpoint; a server's index is its
+    place in the server list) and `PADDLE_TRAINER_ENDPOINTS` (where the trainers join; required
+    for several, unless `JAX_COORDINATOR_ADDRESS` is set). Without
+    `PADDLE_PSERVERS_IP_PORT_LIST` the process is one non-distributed trainer, as in Paddle.
+
+    Unlike Paddle, `is_collective` defaults to True.
 
     Args:
-      is_collective: must be True.
+      is_collective: collective (True) or parameter-server (False) mode.
       environ: the environment to read; default `os.environ` at construction time.
       init_gloo: Paddle's switch for its Gloo collectives; JAX brings its own CPU collectives
         (Gloo), so there is nothing to set up.
+
+    Raises:
+      ValueError: for a variable that is missing or malformed, naming it.
     """
 
     def __init__(
@@ -353,26 +407,32 @@ class PaddleCloudRoleMaker(_EndpointRoleMaker):
         init_gloo: bool = False,
     ) -> None:
         del init_gloo  # JAX's CPU collectives need no set-up
+        super().__init__()
         env = os.environ if environ is None else environ
-        raw_id = env.get("PADDLE_TRAINER_ID", "0")
-        try:
-            worker_index = int(raw_id)
-        except ValueError:
-            raise ValueError(f"PADDLE_TRAINER_ID must be an integer, got {raw_id!r}") from None
-        endpoints_text = env.get("PADDLE_TRAINER_ENDPOINTS", "")
-        endpoints = [e for e in endpoints_text.split(",") if e.strip()]
+        self._local_rank = env.get("PADDLE_RANK_IN_NODE")
+        self._local_device_ids = env.get("PADDLE_LOCAL_DEVICE_IDS")
+        self._world_device_ids = env.get("PADDLE_WORLD_DEVICE_IDS")
+        if not _check_mode(is_collective) and "PADDLE_PSERVERS_IP_PORT_LIST" in env:
+            self._parameter_server(*_ps_role(env))
+            return
+        if not is_collective and env.get("TRAINING_ROLE") == "PSERVER":
+            raise ValueError(
+                "TRAINING_ROLE=PSERVER but PADDLE_PSERVERS_IP_PORT_LIST is not set: a "
+                "parameter server needs every server's ip:port (Paddle would run this process "
+                "as a lone trainer)"
+            )
+        worker_index = _integer(env, "PADDLE_TRAINER_ID", "0")
+        source = "PADDLE_TRAINER_ENDPOINTS"
+        endpoints = _endpoints(env.get(source, ""), "worker", source)
         _check_trainers_num(env.get("PADDLE_TRAINERS_NUM"), endpoints or [_LOCAL_ENDPOINT])
-        super().__init__(
-            is_collective,
+        self._collective(
             worker_index,
             endpoints or [_LOCAL_ENDPOINT],
             env.get("PADDLE_CURRENT_ENDPOINT"),
             source="PADDLE_TRAINER_ENDPOINTS/PADDLE_TRAINER_ID",
         )
+        self._is_collective = is_collective
         self._non_distributed = not endpoints
-        self._local_rank = env.get("PADDLE_RANK_IN_NODE")
-        self._local_device_ids = env.get("PADDLE_LOCAL_DEVICE_IDS")
-        self._world_device_ids = env.get("PADDLE_WORLD_DEVICE_IDS")
 
     def _get_local_rank(self) -> str | None:
         return self._local_rank
@@ -382,6 +442,70 @@ class PaddleCloudRoleMaker(_EndpointRoleMaker):
 
     def _get_world_device_ids(self) -> str | None:
         return self._world_device_ids
+
+
+def _required(env: Mapping[str, str], name: str) -> str:
+    """`env[name]`, or Paddle's error for a missing variable."""
+    value = env.get(name)
+    if value is None or not value.strip():
+        raise ValueError(f"Can not find {name}, please check your environment.")
+    return value.strip()
+
+
+def _integer(env: Mapping[str, str], name: str, default: str | None = None) -> int:
+    text = env.get(name, default) if default is not None else _required(env, name)
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {text!r}") from None
+
+
+def _ps_role(env: Mapping[str, str]) -> tuple[Role, int, int, list[str], list[str], str]:
+    """Paddle's parameter-server role (`PaddleCloudRoleMaker._ps_env`): (role, current_id,
+    trainer count, server endpoints, trainer endpoints, this process's endpoint)."""
+    source = "PADDLE_PSERVERS_IP_PORT_LIST"
+    servers = _endpoints(env[source], "server", source)
+    if not servers:
+        raise ValueError("PADDLE_PSERVERS_IP_PORT_LIST is empty: list the servers' ip:port")
+    trainers = _integer(env, "PADDLE_TRAINERS_NUM")
+    if trainers < 1:
+        raise ValueError(f"PADDLE_TRAINERS_NUM must be at least 1, got {trainers}")
+    workers = _endpoints(
+        env.get("PADDLE_TRAINER_ENDPOINTS", ""), "worker", "PADDLE_TRAINER_ENDPOINTS"
+    )
+    training_role = _required(env, "TRAINING_ROLE")
+    if training_role not in ("TRAINER", "PSERVER"):
+        raise ValueError(
+            f"TRAINING_ROLE must be PSERVER or TRAINER, but get {training_role}, please check "
+            "your environment (heterogeneous trainers and coordinators are not in fleetjax)"
+        )
+    here = f"{_required(env, 'POD_IP')}:{_required(env, 'PADDLE_PORT')}"
+    endpoint = _parse_endpoint(here, "POD_IP:PADDLE_PORT")
+    if training_role == "PSERVER":
+        if endpoint not in servers:
+            raise ValueError(
+                f"this server's POD_IP:PADDLE_PORT, {endpoint}, is not in "
+                f"PADDLE_PSERVERS_IP_PORT_LIST ({','.join(servers)})"
+            )
+        return Role.SERVER, servers.index(endpoint), trainers, servers, workers, endpoint
+    trainer_id = _integer(env, "PADDLE_TRAINER_ID")
+    index = _checked_index(trainer_id, trainers, "trainer", "PADDLE_TRAINER_ID", "trainers")
+    _check_trainer_endpoints(workers, trainers, "PADDLE_TRAINER_ENDPOINTS", env)
+    return Role.WORKER, index, trainers, servers, workers, endpoint
+
+
+def _check_trainer_endpoints(
+    workers: list[str], trainers: int, source: str, env: Mapping[str, str]
+) -> None:
+    """Several trainers join as one SPMD job, at the first trainer's endpoint."""
+    if workers and len(workers) != trainers:
+        raise ValueError(f"{source} lists {len(workers)} trainers, but there are {trainers}")
+    if trainers > 1 and not workers and not env.get("JAX_COORDINATOR_ADDRESS"):
+        raise ValueError(
+            f"{trainers} parameter-server trainers join as one SPMD job (the tables live "
+            f"sharded over their devices), which needs the trainers' endpoints: set {source} "
+            "(fleetrun and fleetjax-run do) or JAX_COORDINATOR_ADDRESS"
+        )
 
 
 def _check_trainers_num(trainers: str | None, endpoints: list[str]) -> None:
@@ -397,10 +521,12 @@ def _check_trainers_num(trainers: str | None, endpoints: list[str]) -> None:
 
 class UserDefinedRoleMaker(_EndpointRoleMaker):
     """A role given in code, e.g. `UserDefinedRoleMaker(current_id=1,
-    worker_endpoints=["10.0.0.1:6170", "10.0.0.2:6170"])`.
+    worker_endpoints=["10.0.0.1:6170", "10.0.0.2:6170"])`; `worker_num`, if given, must match
+    the endpoints.
 
-    Paddle's parameter-server arguments (`server_endpoints`, a `role` other than WORKER) are
-    refused; `worker_num`, if given, must match the endpoints.
+    In parameter-server mode (`is_collective=False`, Paddle's arguments): `server_endpoints`
+    (required), `role` (`Role.WORKER` or `Role.SERVER`), `current_id` (the trainer's or the
+    server's index), `worker_num` (default: the count of `worker_endpoints`).
     """
 
     def __init__(
@@ -415,19 +541,53 @@ class UserDefinedRoleMaker(_EndpointRoleMaker):
         server_endpoints: Sequence[str] | None = None,
     ) -> None:
         del init_gloo  # JAX brings its own CPU collectives (gloo); nothing to set up
+        super().__init__()
+        source = "UserDefinedRoleMaker"
+        if not _check_mode(is_collective):
+            self._parameter_server(
+                *_user_ps_role(role, current_id, worker_num, worker_endpoints, server_endpoints)
+            )
+            return
         if role != Role.WORKER or server_endpoints:
-            raise NotImplementedError(_PS_ERROR)
+            raise ValueError(f"{source}: {_PS_ONLY}")
         endpoints = list(worker_endpoints or [_LOCAL_ENDPOINT])
         if worker_num is not None and worker_num != len(endpoints):
             raise ValueError(
                 f"worker_num={worker_num} but worker_endpoints lists {len(endpoints)} endpoints"
             )
-        super().__init__(is_collective, current_id, endpoints, None, source="UserDefinedRoleMaker")
+        self._collective(current_id, endpoints, None, source=source)
+
+
+def _user_ps_role(
+    role: Role,
+    current_id: int,
+    worker_num: int | None,
+    worker_endpoints: Sequence[str] | None,
+    server_endpoints: Sequence[str] | None,
+) -> tuple[Role, int, int, list[str], list[str], str]:
+    """A parameter-server role given in code (Paddle's `_user_defined_ps_env`)."""
+    source = "UserDefinedRoleMaker(is_collective=False)"
+    servers = _endpoints(server_endpoints, "server", f"{source}: server_endpoints")
+    if not servers:
+        raise ValueError(f"{source} needs server_endpoints, the servers' ip:port")
+    workers = _endpoints(worker_endpoints, "worker", f"{source}: worker_endpoints")
+    trainers = worker_num or len(workers)
+    if not trainers:
+        raise ValueError(f"{source} needs worker_num or worker_endpoints")
+    if role == Role.SERVER:
+        index = _checked_index(current_id, len(servers), "server", source, "servers")
+        return role, index, trainers, servers, workers, servers[index]
+    if role != Role.WORKER:
+        raise ValueError(f"{source}: role must be Role.WORKER or Role.SERVER, got {role!r}")
+    index = _checked_index(current_id, trainers, "trainer", source, "trainers")
+    _check_trainer_endpoints(workers, trainers, f"{source}: worker_endpoints", os.environ)
+    return role, index, trainers, servers, workers, workers[index] if workers else ""
 
 
 class JaxProcessRoleMaker(_CollectiveRoleMaker):
-    """The role of a process that joined JAX's runtime before `fleet.init` (the script called
-    `jax.distributed.initialize()`, which found the cluster itself: SLURM, Open MPI, ...).
+    """The role of a process in JAX's multi-process runtime, joined by the script
+    (`jax.distributed.initialize()`) or by `fleet.init()` through JAX's cluster detection
+    (SLURM, Open MPI, Kubernetes, ...).
 
     The worker index and count are JAX's process index and count. Other processes' endpoints
     are not known, so `worker_endpoints` is empty.

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from fleetjax._file_shard import file_shard
 from fleetjax.fleet.utils.fs import FS
 
 if TYPE_CHECKING:
@@ -95,10 +96,7 @@ class UtilBase:
         if not isinstance(files, list):
             raise TypeError("files should be a list of file need to be read.")
         role = self._role()
-        index, count = role._worker_index(), role._worker_num()
-        size, extra = divmod(len(files), count)
-        start = index * size + min(index, extra)
-        return files[start : start + size + (index < extra)]
+        return file_shard(files, role._worker_index(), role._worker_num())
 
     def print_on_rank(self, message: Any, rank_id: int) -> None:
         """Print `message` on worker `rank_id` only."""

@@ -16,13 +16,15 @@ does not grow with the number of micro-batches; under FThenB it holds all m.
 
 The other mesh axes (``dp``, ``sharding``, ``mp``) stay with the compiler. The model runs under
 a `vmap` over the data-parallel replicas, so each replica accumulates its own gradients and the
-reduction over the data axes happens once, after the pipeline.
+reduction over the data axes happens once, after the pipeline's loop (by a `reducer` such as
+`fp16_allreduce`'s half-precision all-reduce, if one is given).
 
 The parts, each a module: `_model` (`PipelineParams`, `PipelineLayer`, the parts' keys and the
-layers' order), `schedules` (the schedule tables and `SCHEDULE_MODES`, Paddle's spellings of
-them), `_timetable` (a schedule made executable: the buffer slot of every value kept across
-ticks), `_program` (the `shard_map` and the per-stage program, a tick's forward half and its
-backward half). This module checks the arguments and runs the program, on Auto axes.
+layers' order), `_layers` (Paddle's `LayerDesc` list form of a `PipelineLayer`), `schedules`
+(the schedule tables and `SCHEDULE_MODES`, Paddle's spellings of them), `_timetable` (a
+schedule made executable: the buffer slot of every value kept across ticks), `_program` (the
+`shard_map` and the per-stage program, a tick's forward half and its backward half). This
+module checks the arguments and runs the program, on Auto axes.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
+from fleetjax.transforms.grad_allreduce import Reducer
+from fleetjax.transforms.pipeline._layers import LayerDesc, SharedLayerDesc
 from fleetjax.transforms.pipeline._model import (
     NO_KEY,
     ModelFunctions,
@@ -54,9 +58,11 @@ from fleetjax.transforms.pipeline.schedules import (
 
 __all__ = [
     "SCHEDULE_MODES",
+    "LayerDesc",
     "PipelineLayer",
     "PipelineParams",
     "PipelineSchedule",
+    "SharedLayerDesc",
     "part_keys",
     "pipeline",
     "pipeline_schedule",
@@ -77,6 +83,8 @@ def pipeline(
     vpp_degree: int = 1,
     has_aux: bool = False,
     has_rng: bool = False,
+    has_state: bool = False,
+    reducer: Reducer | None = None,
 ) -> Callable[..., tuple[Any, PipelineParams]]:
     """The loss and gradients of a layered model, pipelined over the mesh axis ``pp``.
 
@@ -101,6 +109,21 @@ def pipeline(
       has_rng: whether `embed`, `stage` and `head_loss` take a PRNG key (raw key data) as
         their last argument, for dropout and the like: each part of each micro-batch of each
         replica gets its own, derived from the step's key by `part_keys`.
+      has_state: whether the model has variables the loss updates but gradients do not train
+        (batch-norm statistics): a `PipelineParams` of the parts' states, the layers' stacked
+        on the layer axis and split over ``pp`` like their parameters. Each function then takes
+        its part's state after its parameters and returns its new state last:
+        ``embed(params, state, micro_batch) -> (activations, new_state)``, ``stage(params,
+        state, activations) -> (activations, new_state)``, ``head_loss(params, state,
+        activations, micro_batch) -> (loss, new_state)`` (``(loss, aux, new_state)`` with
+        `has_aux`). Every micro-batch sees the state given; of the new states, the floating
+        ones are averaged over every replica's micro-batches (as in-step gradient merge
+        averages its micro-batches') and the others are the last micro-batch's.
+      reducer: how each data-parallel replica's gradients (the mean over its micro-batches)
+        are reduced over the data axes, e.g. `grad_allreduce.mean_in(jnp.float16)` for
+        Paddle's `fp16_allreduce`; it runs at the end of each stage's program, inside a
+        `shard_map` over the data axes. Default: the sum over the replicas after the pipeline,
+        which XLA all-reduces in the gradients' dtype.
 
     Returns:
       ``value_and_grad(params, batch[, key], *, loss_scale=None) -> (loss, grads)`` for a
@@ -111,11 +134,15 @@ def pipeline(
       ``((loss, aux), grads)``. With a `loss_scale` (a float32 scalar; AMP's loss scaling),
       the head's loss is multiplied by it before the backward, so the backward runs on scaled
       cotangents and the gradients come back times `loss_scale`; the loss and aux do not.
+      With `has_state`, ``value_and_grad(params, model_state, batch[, key])`` returns
+      ``((loss, new_model_state), grads)`` (``((loss, aux, new_model_state), grads)`` with
+      `has_aux`).
 
     Raises:
       ValueError: for a mesh without ``pp``, an unknown schedule, or counts Paddle does not
         allow; when called, for a batch of the wrong size, layers that do not split into
-        pp_degree x vpp_degree chunks, a `stage` that changes the activations' shape, or a
+        pp_degree x vpp_degree chunks, a `stage` that changes the activations' shape, a part
+        whose new model state differs from its state in structure, shape or dtype, or a
         `loss_scale` that is not a scalar.
     """
     if AXIS not in mesh.axis_names:
@@ -124,47 +151,60 @@ def pipeline(
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"micro_batch_size must be a positive int, got {size!r}")
     schedule = pipeline_schedule(schedule_mode, mesh.shape[AXIS], accumulate_steps, vpp_degree)
-    model = ModelFunctions.of(embed, stage, head_loss, has_aux=has_aux, has_rng=has_rng)
-    run = program(model, schedule, mesh, micro_batch_size)
+    flags = {"has_aux": has_aux, "has_rng": has_rng, "has_state": has_state}
+    model = ModelFunctions.of(embed, stage, head_loss, **flags)
+    run = program(model, schedule, mesh, size, reducer)
 
     def value_and_grad(
-        params: PipelineParams, batch: Any, *key: jax.Array, loss_scale: jax.Array | None = None
+        params: PipelineParams, *args: Any, loss_scale: jax.Array | None = None
     ) -> tuple[Any, PipelineParams]:
-        if not isinstance(params, PipelineParams):
-            raise TypeError(
-                "params must be a fleetjax PipelineParams(embed, layers, head), "
-                f"got {type(params).__name__}"
-            )
+        state = args[0] if has_state else PipelineParams((), (), ())
+        batch, *key = args[1:] if has_state else args
+        for name, value in (("params", params), ("model_state", state)):
+            if not isinstance(value, PipelineParams):
+                raise TypeError(
+                    f"{name} must be a fleetjax PipelineParams(embed, layers, head), "
+                    f"got {type(value).__name__}"
+                )
         if len(key) != has_rng:
+            form = f"params, {'model_state, ' * has_state}batch{', key' * has_rng}"
             raise TypeError(
-                f"the pipeline was made with has_rng={has_rng}: call it as "
-                f"value_and_grad(params, batch{', key' if has_rng else ''})"
+                f"the pipeline was made with has_rng={has_rng}, has_state={has_state}: call it "
+                f"as value_and_grad({form})"
             )
         key = jnp.asarray(NO_KEY) if not key else raw_key(key[0])
-        (loss, aux), grads = _on_auto_axes(run, mesh, params, batch, key, _scalar(loss_scale))
-        return ((loss, aux) if has_aux else loss), grads
+        inputs = (params, state, batch, key, _scalar(loss_scale))
+        (loss, aux), new_state, grads = _on_auto_axes(run, mesh, *inputs)
+        out = (loss, *[aux] * has_aux, *[new_state] * has_state)
+        return (out if len(out) > 1 else loss), grads
 
     return value_and_grad
 
 
 def _on_auto_axes(
-    run: Callable[..., tuple[Any, PipelineParams]], mesh: Mesh, params: PipelineParams, *args: Any
-) -> tuple[Any, PipelineParams]:
-    """``run(params, *args)`` on the mesh's Auto axes.
+    run: Callable[..., tuple[Any, PipelineParams, PipelineParams]],
+    mesh: Mesh,
+    params: PipelineParams,
+    model_state: PipelineParams,
+    *args: Any,
+) -> tuple[Any, PipelineParams, PipelineParams]:
+    """``run(params, model_state, *args)`` on the mesh's Auto axes.
 
     On Explicit axes the pipeline runs on Auto ones (as jnp runs a sharded gather), its buffers
-    and branches then typed alike; the gradients come back placed as the params.
+    and branches then typed alike; the new model state and the gradients come back placed as
+    the model state and the params.
     """
     explicit = tuple(
         a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Explicit
     )
     if not explicit:
-        return run(params, *args)
-    out = (PartitionSpec(), jax.tree.map(lambda x: jax.typeof(x).sharding.spec, params))
+        return run(params, model_state, *args)
+    placed = lambda tree: jax.tree.map(lambda x: jax.typeof(x).sharding.spec, tree)  # noqa: E731
+    out = (PartitionSpec(), placed(model_state), placed(params))
     auto = jax.sharding.auto_axes(run, axes=explicit, out_sharding=out)
     outside_jit = jax.sharding.get_abstract_mesh().empty
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if outside_jit else nullcontext():
-        return auto(params, *args)
+        return auto(params, model_state, *args)
 
 
 def _scalar(loss_scale: Any) -> jax.Array | None:

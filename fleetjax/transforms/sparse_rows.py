@@ -1,0 +1,470 @@
+"""Sparse row updates: how Paddle's parameter-server tables train, in SPMD.
+
+A sparse table (`fleetjax.layers.SparseTable`, ``[V, D]``) is split by rows over the mesh
+axes `axes` (every device by default) and is never differentiated. A step instead:
+
+    named = name_tables(params)                     # each table gets its table name
+    touched = touched_rows(lambda: loss_fn(named, batch), tables(named), mesh)
+    views = row_views(named, touched, mesh, axes)   # each table -> its touched rows [U, D]
+    with lookup_scope(touched):
+        loss, grads = jax.value_and_grad(loss_fn)(views, batch)  # a table's grad: [U, D]
+    params, slots = apply_rows(rules, params, slots, touched, grads, mesh, axes)
+
+(`value_and_grad` does the first four lines.) No gradient of shape ``[V, D]`` exists.
+
+* `touched_rows` traces the loss once with lookups that only record their ids (nothing of it
+  is left in the compiled step but the ids), and deduplicates each table's ids over the whole
+  batch: ``U = min(ids in the batch, V)`` sorted distinct ids, padded with ``V``.
+* `row_views` fetches those rows from the devices that own them: every device reads the ids'
+  rows it holds (zeros for the others) and one all-reduce over `axes` sums them, so every device
+  has the ``[U, D]`` rows. (The ids are all-gathered for the deduplication; with a static
+  ``U`` an all-to-all to the owners would move as many bytes, and this keeps the rows a plain
+  replicated parameter that every other transform handles: see docs/parameter_server.md.)
+* The loss reads each lookup's rows from the view; the gradient of a view is one row per
+  distinct id, duplicate ids summed; data parallelism all-reduces it like any gradient.
+* `apply_rows` applies a table's `SparseRule` on each device to the touched rows it owns, and
+  their optimizer slots, in place: nothing is sent.
+
+Under Geo-SGD (`a_sync_configs.k_steps`) every replica keeps its own copy of a table, as
+Paddle's Geo trainers do, updates it locally (``axes=()``) and marks the rows it changed; every
+k steps `geo_exchange` swaps the changes of those rows only, by Paddle's formula
+(`fleetjax.optimizers.geo_sgd`).
+
+The rules are Paddle's (paddle/fluid/distributed/ps/table/sparse_sgd_rule.cc), row-wise:
+`naive_sgd`, `adagrad` (`SparseAdaGradSGDRule`: one g2sum per row; `StdAdaGradSGDRule` with
+`per_element`), `adam` (`SparseAdamSGDRule`: lazy, per-row beta powers, so a row's moments
+only move when it is touched; `SparseSharedAdamSGDRule` with `shared`); `sparse_accessor` applies
+one to the first column (`embed_w`) and one to the others (`embedx`), as Paddle's
+`SparseAccessor` does. Gradients are not divided by the show count (Paddle's `scale`, a CTR
+accessor's bookkeeping): the rules see the gradient of the loss.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from fleetjax.layers.sparse_embedding import (
+    SparseTable,
+    TouchedRows,
+    is_table,
+    lookup_scope,
+)
+
+__all__ = [
+    "PADDLE_RULES",
+    "GeoRows",
+    "SparseRule",
+    "adagrad",
+    "adam",
+    "apply_rows",
+    "gather_rows",
+    "geo_exchange",
+    "geo_init",
+    "init_slots",
+    "name_tables",
+    "naive_sgd",
+    "paddle_rule",
+    "row_views",
+    "scatter_rows",
+    "sparse_accessor",
+    "tables",
+    "touched_rows",
+    "value_and_grad",
+    "without_tables",
+]
+
+Bounds = tuple[float, float] | None
+
+
+class SparseRule(NamedTuple):
+    """A row-wise update rule, as an optax transformation is for whole arrays:
+    ``init(rows) -> slots`` (arrays with one row per table row) and
+    ``update(rows, slots, grads) -> (rows, slots)``, each row depending only on itself."""
+
+    init: Callable[[jax.Array], Any]
+    update: Callable[[jax.Array, Any, jax.Array], tuple[jax.Array, Any]]
+
+
+def _bound(w: jax.Array, weight_bounds: Bounds) -> jax.Array:
+    """Paddle's `BoundValue`: below the low bound (or NaN) -> low, above the high -> high."""
+    if weight_bounds is None:
+        return w
+    low, high = weight_bounds
+    return jnp.where(w >= low, jnp.where(w <= high, w, high), low).astype(w.dtype)
+
+
+def _column(rows: jax.Array, width: int, value: float = 0.0) -> jax.Array:
+    return jnp.full((rows.shape[0], width), value, rows.dtype)
+
+
+def naive_sgd(learning_rate: float = 0.05, weight_bounds: Bounds = None) -> SparseRule:
+    """`SparseNaiveSGDRule`: ``w -= learning_rate * g``, bounded."""
+
+    def update(rows: jax.Array, slots: Any, grads: jax.Array) -> tuple[jax.Array, Any]:
+        return _bound(rows - learning_rate * grads, weight_bounds), slots
+
+    return SparseRule(lambda rows: optax.EmptyState(), update)
+
+
+class AdagradSlots(NamedTuple):
+    g2sum: jax.Array  # [rows, 1], or [rows, dim] with `per_element`
+
+
+def adagrad(
+    learning_rate: float = 0.05,
+    initial_g2sum: float = 3.0,
+    weight_bounds: Bounds = None,
+    *,
+    per_element: bool = False,
+) -> SparseRule:
+    """`SparseAdaGradSGDRule`: ``w -= lr * g * sqrt(initial_g2sum / (initial_g2sum + g2sum))``,
+    then ``g2sum += mean(g ** 2)`` over the row (one g2sum per row); with `per_element`,
+    `StdAdaGradSGDRule` (one g2sum per element, ``g2sum += g ** 2``)."""
+
+    def init(rows: jax.Array) -> AdagradSlots:
+        return AdagradSlots(_column(rows, rows.shape[1] if per_element else 1))
+
+    def update(rows: jax.Array, slots: AdagradSlots, g: jax.Array) -> tuple[jax.Array, Any]:
+        scale = jnp.sqrt(initial_g2sum / (initial_g2sum + slots.g2sum))
+        rows = _bound(rows - learning_rate * g * scale, weight_bounds)
+        added = g * g if per_element else jnp.mean(g * g, axis=1, keepdims=True)
+        return rows, AdagradSlots(slots.g2sum + added)
+
+    return SparseRule(init, update)
+
+
+class AdamSlots(NamedTuple):
+    gsum: jax.Array  # first moment: [rows, dim], or [rows, 1] with `shared`
+    g2sum: jax.Array  # second moment, likewise
+    beta1_pow: jax.Array  # [rows, 1]: beta1 ** (the row's updates + 1)
+    beta2_pow: jax.Array
+
+
+def adam(
+    learning_rate: float = 0.001,
+    beta1_decay_rate: float = 0.9,
+    beta2_decay_rate: float = 0.999,
+    ada_epsilon: float = 1e-8,
+    weight_bounds: Bounds = None,
+    *,
+    shared: bool = False,
+) -> SparseRule:
+    """`SparseAdamSGDRule`: Adam with moments and beta powers per row (starting at beta1 and
+    beta2), so untouched rows keep theirs (lazy): ``lr_t = lr * sqrt(1 - beta2_pow) /
+    (1 - beta1_pow)``, ``w -= lr_t * m / (sqrt(v) + ada_epsilon)``, then the powers times beta.
+    With `shared`, `SparseSharedAdamSGDRule`: a row keeps one first and one second moment (the
+    means of its elements' new moments)."""
+    b1, b2, eps = beta1_decay_rate, beta2_decay_rate, ada_epsilon
+
+    def init(rows: jax.Array) -> AdamSlots:
+        zero = _column(rows, 1 if shared else rows.shape[1])
+        return AdamSlots(zero, zero, _column(rows, 1, b1), _column(rows, 1, b2))
+
+    def update(rows: jax.Array, s: AdamSlots, g: jax.Array) -> tuple[jax.Array, AdamSlots]:
+        step_lr = learning_rate * jnp.sqrt(1 - s.beta2_pow) / (1 - s.beta1_pow)
+        gsum = b1 * s.gsum + (1 - b1) * g
+        g2sum = b2 * s.g2sum + (1 - b2) * g * g
+        rows = _bound(rows - step_lr * (gsum / (jnp.sqrt(g2sum) + eps)), weight_bounds)
+        if shared:
+            gsum, g2sum = (jnp.mean(x, axis=1, keepdims=True) for x in (gsum, g2sum))
+        return rows, AdamSlots(gsum, g2sum, s.beta1_pow * b1, s.beta2_pow * b2)
+
+    return SparseRule(init, update)
+
+
+class AccessorSlots(NamedTuple):
+    embed: Any  # the first column's slots
+    embedx: Any  # the other columns'
+
+
+def sparse_accessor(embed: SparseRule, embedx: SparseRule) -> SparseRule:
+    """Paddle's `SparseAccessor`: `embed` (its `embed_sgd_param`) updates a row's first column
+    (`embed_w`), `embedx` (`embedx_sgd_param`) the others."""
+
+    def init(rows: jax.Array) -> AccessorSlots:
+        return AccessorSlots(embed.init(rows[:, :1]), embedx.init(rows[:, 1:]))
+
+    def update(rows: jax.Array, s: AccessorSlots, g: jax.Array) -> tuple[jax.Array, Any]:
+        first, s_embed = embed.update(rows[:, :1], s.embed, g[:, :1])
+        if rows.shape[1] == 1:  # no embedx columns (Paddle's embedx_dim 0)
+            return first, AccessorSlots(s_embed, s.embedx)
+        rest, s_embedx = embedx.update(rows[:, 1:], s.embedx, g[:, 1:])
+        return jnp.concatenate([first, rest], axis=1), AccessorSlots(s_embed, s_embedx)
+
+    return SparseRule(init, update)
+
+
+PADDLE_RULES: dict[str, Callable[..., SparseRule]] = {
+    "SparseNaiveSGDRule": naive_sgd,
+    "SparseAdaGradSGDRule": adagrad,
+    "StdAdaGradSGDRule": functools.partial(adagrad, per_element=True),
+    "SparseAdamSGDRule": adam,
+    "SparseSharedAdamSGDRule": functools.partial(adam, shared=True),
+}
+
+
+def paddle_rule(name: str, **config: Any) -> SparseRule:
+    """The rule Paddle's `SGDParameter.name` names, with its parameters (the keyword arguments
+    of `naive_sgd`, `adagrad`, ...: Paddle's field names)."""
+    if name not in PADDLE_RULES:
+        raise NotImplementedError(
+            f"sparse rule {name!r} is not available in fleetjax; use one of "
+            f"{', '.join(PADDLE_RULES)}"
+        )
+    return PADDLE_RULES[name](**config)
+
+
+# -- tables in a parameter tree -----------------------------------------------------------------
+
+
+def name_tables(params: Any) -> Any:
+    """`params` with every `SparseTable` named: its `table_name`, else its path in `params`.
+
+    Raises:
+      ValueError: if two tables have the same name.
+    """
+    seen: dict[str, str] = {}
+
+    def name(path: Any, leaf: Any) -> Any:
+        if not is_table(leaf):
+            return leaf
+        where = jax.tree_util.keystr(path)
+        named = leaf.get_metadata().get("table_name") or where
+        if named in seen:
+            raise ValueError(f"two sparse tables are named {named!r}: {seen[named]} and {where}")
+        seen[named] = where
+        return leaf.replace(table_name=named)
+
+    return jax.tree_util.tree_map_with_path(name, params, is_leaf=is_table)
+
+
+def without_tables(tree: Any, params: Any = None) -> Any:
+    """`tree` (parameters, or a tree shaped like them) with None where `params` (default:
+    `tree`) has tables: the dense part, which the optimizer trains."""
+    if params is None:
+        return jax.tree.map(lambda x: None if is_table(x) else x, tree, is_leaf=is_table)
+    dense = lambda x, p: None if is_table(p) else x  # noqa: E731
+    return jax.tree.map(dense, tree, params, is_leaf=lambda x: is_table(x) or x is None)
+
+
+def tables(params: Any) -> dict[str, SparseTable]:
+    """The named tables of `params` (see `name_tables`), by name."""
+    found = [x for x in jax.tree.leaves(params, is_leaf=is_table) if is_table(x)]
+    return {t.get_metadata()["table_name"]: t for t in found}
+
+
+def touched_rows(
+    probe: Callable[[], Any], named: Mapping[str, SparseTable], mesh: Mesh | None = None
+) -> dict[str, TouchedRows]:
+    """The rows of each of the `named` tables that `probe()` (a loss call on named tables)
+    looks up: each table's distinct ids over every lookup, sorted, padded with its row count
+    (under `mesh`, on every device), and how many ids were outside the table.
+
+    Raises:
+      ValueError: if the probe looks up a table that is not among `named`.
+    """
+    with lookup_scope() as seen:
+        probe()
+    unknown = sorted(set(seen) - set(named), key=str)
+    if unknown:
+        raise ValueError(
+            f"the loss looks up sparse table(s) {unknown} that are not in the parameters "
+            f"(tables: {sorted(named)}); a table must be a parameter to train"
+        )
+    touched = {}
+    for name, table in named.items():
+        size = table.shape[0]
+        ids = [jnp.ravel(i).astype(jnp.int32) for i in seen.get(name, [])]
+        flat = jnp.concatenate(ids) if ids else jnp.zeros((0,), jnp.int32)
+        if mesh is not None:  # every device deduplicates the whole batch's ids
+            flat = jax.lax.with_sharding_constraint(flat, NamedSharding(mesh, PartitionSpec()))
+        inside = (flat >= 0) & (flat < size)
+        flat = jnp.where(inside, flat, size)
+        distinct = jnp.unique(flat, size=min(flat.size, size), fill_value=size) if ids else flat
+        touched[name] = TouchedRows(distinct, size, jnp.sum(~inside, dtype=jnp.float32))
+    return touched
+
+
+# -- rows to and from their owners --------------------------------------------------------------
+
+
+def _on_shards(fn: Callable[..., Any], mesh: Mesh | None, axes: Sequence[str], specs: Any) -> Any:
+    """`fn` run on each device's blocks (split over `axes` as `specs` say), or as it is when
+    nothing is split."""
+    if not axes:
+        return fn
+    in_specs, out_specs = specs
+    manual = frozenset(axes) | {a for a in mesh.axis_names if mesh.shape[a] == 1}
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=manual)
+
+
+def _owned(ids: jax.Array, block: jax.Array, axes: Sequence[str]) -> jax.Array:
+    """The positions of `ids` in this device's block of rows; ``len(block)`` (outside the
+    block: a gather reads zero there, a scatter drops it) for ids another device owns."""
+    n = block.shape[0]
+    at = ids - (jax.lax.axis_index(tuple(axes)) * n if axes else 0)
+    return jnp.where((at >= 0) & (at < n), at, n)
+
+
+def gather_rows(
+    table: jax.Array, ids: jax.Array, mesh: Mesh | None = None, axes: Sequence[str] = ()
+) -> jax.Array:
+    """The rows of `ids` (on every device) from `table`, split by rows over `axes` of `mesh`:
+    each device reads the rows it owns, zeros for the others, and a sum over `axes` (one
+    all-reduce) gives every device all of them. Ids outside the table read zeros."""
+    axes = tuple(axes)
+
+    def local(block: jax.Array, ids: jax.Array) -> jax.Array:
+        rows = block.at[_owned(ids, block, axes)].get(mode="fill", fill_value=0)
+        return jax.lax.psum(rows, axes) if axes else rows
+
+    rows_spec = PartitionSpec(axes)
+    return _on_shards(local, mesh, axes, ((rows_spec, PartitionSpec()), PartitionSpec()))(
+        table, ids
+    )
+
+
+def scatter_rows(
+    rule: SparseRule,
+    table: jax.Array,
+    slots: Any,
+    ids: jax.Array,
+    grads: jax.Array,
+    mesh: Mesh | None = None,
+    axes: Sequence[str] = (),
+) -> tuple[jax.Array, Any]:
+    """`rule` applied to the rows of `ids` (distinct; the padding id ``V`` is skipped) with
+    their `grads` (both on every device), and to their `slots`, on the device that owns each
+    row (`table` and `slots` split by rows over `axes`), in place. Nothing is sent."""
+    axes = tuple(axes)
+
+    def local(block: jax.Array, slots: Any, ids: jax.Array, grads: jax.Array) -> Any:
+        at = _owned(ids, block, axes)
+        read = lambda x: x.at[at].get(mode="fill", fill_value=0)  # noqa: E731
+        rows, own_slots = rule.update(read(block), jax.tree.map(read, slots), grads)
+        write = lambda x, new: x.at[at].set(new.astype(x.dtype), mode="drop")  # noqa: E731
+        return write(block, rows), jax.tree.map(write, slots, own_slots)
+
+    split, whole = PartitionSpec(axes), PartitionSpec()
+    slot_specs = jax.tree.map(lambda _: split, slots)
+    specs = ((split, slot_specs, whole, whole), (split, slot_specs))
+    return _on_shards(local, mesh, axes, specs)(table, slots, ids, grads)
+
+
+def row_views(
+    params: Any,
+    touched: Mapping[str, TouchedRows],
+    mesh: Mesh | None = None,
+    axes: Sequence[str] = (),
+) -> Any:
+    """`params` with each named table's value replaced by its touched rows ``[U, D]``
+    (`gather_rows`), which the lookups read under ``lookup_scope(touched)``."""
+
+    def view(leaf: Any) -> Any:
+        if not is_table(leaf):
+            return leaf
+        ids = touched[leaf.get_metadata()["table_name"]].ids
+        return leaf.replace(gather_rows(leaf[...], ids, mesh, axes))
+
+    return jax.tree.map(view, params, is_leaf=is_table)
+
+
+def init_slots(rules: Mapping[str, SparseRule], named: Mapping[str, SparseTable]) -> dict:
+    """Each table's optimizer slots, by name, from its rule."""
+    return {name: rules[name].init(table[...]) for name, table in named.items()}
+
+
+def apply_rows(
+    rules: Mapping[str, SparseRule],
+    params: Any,
+    slots: Mapping[str, Any],
+    touched: Mapping[str, TouchedRows],
+    grads: Any,
+    mesh: Mesh | None = None,
+    axes: Sequence[str] = (),
+) -> tuple[Any, dict]:
+    """Every named table of `params` after its rule's update of its touched rows with their
+    gradients (a table's entry in `grads`: ``[U, D]``, as `value_and_grad` gives), and the
+    new `slots`; the other parameters are returned as they are."""
+    new_slots = dict(slots)
+
+    def update(leaf: Any, grad: Any) -> Any:
+        if not is_table(leaf):
+            return leaf
+        name = leaf.get_metadata()["table_name"]
+        rows, new_slots[name] = scatter_rows(
+            rules[name], leaf[...], slots[name], touched[name].ids, grad[...], mesh, axes
+        )
+        return leaf.replace(rows)
+
+    return jax.tree.map(update, params, grads, is_leaf=is_table), new_slots
+
+
+def value_and_grad(
+    loss_fn: Callable[..., jax.Array], mesh: Mesh | None = None, axes: Sequence[str] = ()
+) -> Callable[..., tuple[jax.Array, Any, dict[str, TouchedRows]]]:
+    """``fn(params, *args) -> (loss, grads, touched)``: the gradients of
+    ``loss_fn(params, *args)``, where each sparse table's gradient is its touched rows'
+    ``[U, D]`` (with `params`' tables named by `name_tables`), and the `touched` rows that
+    `apply_rows` takes."""
+
+    def fn(params: Any, *args: Any) -> tuple[jax.Array, Any, dict[str, TouchedRows]]:
+        named = name_tables(params)
+        touched = touched_rows(lambda: loss_fn(named, *args), tables(named), mesh)
+        with lookup_scope(touched):
+            loss, grads = jax.value_and_grad(loss_fn)(row_views(named, touched, mesh, axes), *args)
+        return loss, grads, touched
+
+    return fn
+
+
+# -- Geo-SGD -------------------------------------------------------------------------------------
+
+
+class GeoRows(NamedTuple):
+    """A table's Geo-SGD state on one replica.
+
+    Attributes:
+      old: the rows as the servers held them at the last exchange (Paddle's `old_scope`), the
+        same on every replica.
+      changed: which rows this replica updated since then (bool, one per row).
+    """
+
+    old: jax.Array
+    changed: jax.Array
+
+
+def geo_init(table: jax.Array) -> GeoRows:
+    """The Geo-SGD state of a freshly initialised `table` ``[V, D]``."""
+    return GeoRows(jnp.asarray(table), jnp.zeros(table.shape[:1], bool))
+
+
+def geo_exchange(
+    table: jax.Array, geo: GeoRows, capacity: int, axes: Sequence[str]
+) -> tuple[jax.Array, GeoRows]:
+    """Paddle's Geo exchange of the rows the replicas changed (`geo.changed`, at most
+    `capacity` per replica), inside `jax.shard_map` over the replica `axes`: each replica's
+    ids are gathered, and for every changed row (`fleetjax.optimizers.geo_sgd`'s formula,
+    with a replica's delta zero for rows it did not change, as Paddle sends only those)::
+
+        delta_r = (latest_r - old) / T;  server = old + sum_r delta_r
+        latest_r += server - (old + delta_r);  old = server
+    """
+    axes, size = tuple(axes), table.shape[0]
+    mine = jnp.nonzero(geo.changed, size=min(capacity, size), fill_value=size)[0]
+    every = jax.lax.all_gather(mine, axes, tiled=True)
+    ids = jnp.unique(every, size=min(every.size, size), fill_value=size)
+    read = lambda x: x.at[ids].get(mode="fill", fill_value=0)  # noqa: E731
+    latest, old = read(table), read(geo.old)
+    delta = jnp.where(read(geo.changed)[:, None], (latest - old) * (1.0 / jax.lax.psum(1, axes)), 0)
+    server = old + jax.lax.psum(delta, axes)
+    write = lambda x, new: x.at[ids].set(new.astype(x.dtype), mode="drop")  # noqa: E731
+    latest = latest + (server - (old + delta))
+    return write(table, latest), GeoRows(write(geo.old, server), jnp.zeros_like(geo.changed))

@@ -1,0 +1,91 @@
+"""Helpers for the tests that start `python -m fleetjax.launch`: the `launcher` fixture, which
+kills whatever a test left running, and ways to find the processes a run started."""
+
+import os
+import pathlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+HERE = pathlib.Path(__file__).parent
+WORKER = HERE / "launch_worker.py"
+ENV = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped, counts as gone)."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def logged_pids(log_dir: pathlib.Path) -> dict[str, int]:
+    """{name: pid} of every `name=<pid>` the workers printed: `pid.<rank>` for worker `rank`
+    itself, `child.<rank>` and `detached.<rank>` for what it started."""
+    pids = {}
+    for log in log_dir.glob("workerlog.*"):
+        rank = log.suffix[1:]
+        for name, pid in re.findall(r"\b(pid|child|detached)=(\d+)", log.read_text()):
+            pids[f"{name}.{rank}"] = int(pid)
+    return pids
+
+
+def worker_pids(log_dir: pathlib.Path) -> dict[int, int]:
+    """{rank: pid} of the workers that have started, from their logs."""
+    return {
+        int(name.partition(".")[2]): pid
+        for name, pid in logged_pids(log_dir).items()
+        if name.startswith("pid.")
+    }
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within {timeout} s")
+        time.sleep(0.1)
+
+
+def _kill_left_over(procs: list[tuple[subprocess.Popen, pathlib.Path]]) -> None:
+    """Kill the launchers and every process their workers logged."""
+    for proc, log_dir in procs:
+        proc.kill()
+        proc.wait()
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        for pid in logged_pids(log_dir).values() if log_dir.exists() else ():
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def launcher(tmp_path):
+    """Start `python -m fleetjax.launch ARGS` (its stdout and stderr piped, text); whatever
+    happens, kill it and every process its workers logged afterwards."""
+    started = []
+
+    def start(*args: str, log_dir: pathlib.Path | None = None, **popen) -> subprocess.Popen:
+        log_dir = log_dir or tmp_path / "log"
+        command = [sys.executable, "-m", "fleetjax.launch", "--log_dir", str(log_dir), *args]
+        popen = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **popen}
+        proc = subprocess.Popen(command, env=ENV, **popen)
+        started.append((proc, log_dir))
+        return proc
+
+    yield start
+    _kill_left_over(started)

@@ -4,7 +4,12 @@ fit or cannot win, and the fastest that fits chosen.
 **Pruning** (so that the search compiles a handful of steps, not all of them); the report says
 which rule skipped a candidate:
 
-* a candidate whose train state alone exceeds the budget is not compiled (it cannot fit);
+* a candidate whose train state and gradients alone exceed the budget (`fleetjax.auto._memory`:
+  from the placement, before lowering) is not compiled: it cannot fit;
+* activations depend on the rows per device and the mp and pp split, not on ZeRO: a compiled
+  layout predicts them for every layout split alike (divided by in-step micro-batches), and a
+  candidate whose formula plus that is over `SAVING_MARGIN` times the budget is not compiled
+  (a prediction, not a bound);
 * ZeRO over ``dp x sharding`` devices is skipped where pure data parallelism over the same
   devices (same mp, pp and savers) fits: it computes the same matmuls and communicates at least
   as much. Recompute and more micro-batches only add work, so they are skipped where the same
@@ -15,10 +20,10 @@ which rule skipped a candidate:
   than `SAVING_MARGIN` (1.25) times what the same savers saved on a compiled layout with the
   same split (a prediction, not a bound);
 * a candidate is skipped if a lower bound of its time is no better than the best candidate
-  found: pure data parallelism's matmul flops (an even split of the model's), times the
+  found: an even split of the model's matmul flops (traced from the loss), times the
   pipeline's ideal bubble ``(m + pp - 1) / m``, plus one latency and the ring all-reduce of the
   gradients ``2 (n-1)/n x parameter bytes / (mp pp)`` over its ``n = dp x sharding`` replicas
-  (for savers: their layout's estimate).
+  at the bandwidth of what that group crosses (for savers: their layout's estimate).
 """
 
 from __future__ import annotations

@@ -50,8 +50,11 @@ def cpu_devices() -> list[jax.Device]:
     return jax.devices("cpu")[:PP]
 
 
-def temp_bytes(mode: str, vpp: int, micro_batches: int) -> int:
-    mesh = build_mesh(dp=1, pp=PP, devices=cpu_devices())
+def temp_bytes(
+    mode: str, vpp: int, micro_batches: int, devices: list[jax.Device] | None = None
+) -> int:
+    """The pipeline's compiled temp bytes per device on `devices` (default: `cpu_devices()`)."""
+    mesh = build_mesh(dp=1, pp=PP, devices=devices or cpu_devices())
 
     def spec(shape: tuple[int, ...], *axes: str) -> jax.ShapeDtypeStruct:
         sharding = NamedSharding(mesh, PartitionSpec(*axes))

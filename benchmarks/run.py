@@ -32,6 +32,7 @@ NAMES = (
     "sparse_tables",
     "input_pipeline",
     "gpu",
+    "h100",
 )
 
 

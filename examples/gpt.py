@@ -48,6 +48,7 @@ Batch = dict[str, jax.Array]
 # sharding it arrives with (over the data axes from the train step; under the pipeline, the
 # replicas' axis is split instead, and constraining the rows would reshuffle them).
 HIDDEN = ("activation_length", "activation_embed")  # the residual stream [batch, length, embed]
+ROWS = ("activation_batch", *HIDDEN)  # and its rows over the data axes, outside a pipeline
 HEADS = ("activation_length", "activation_heads", "activation_kv")  # q, k, v
 
 
@@ -270,8 +271,14 @@ class GPTFunctions:
         """The mean next-token loss of ``batch["tokens"]`` (int32 [B, T + 1]); with dropout,
         `key` is the step's PRNG key, split among the parts as a pipeline of one micro-batch
         splits it (`fleetjax.transforms.pipeline.part_keys`)."""
-        # The blocks are recomputed under a recompute strategy.
-        model = PipelineLayer(self.embed, fleetjax.recompute(self.stage), self.head_loss)
+        # The blocks are recomputed under a recompute strategy. Their rows stay split over the
+        # data axes (without a pipeline, nothing else splits them): otherwise XLA may gather
+        # the activations instead of the parameters that ZeRO-3 splits over `sharding`.
+        model = PipelineLayer(
+            lambda p, batch, *key: constrain(self.embed(p, batch, *key), ROWS),
+            fleetjax.recompute(lambda p, h, *key: constrain(self.stage(p, h, *key), ROWS)),
+            self.head_loss,
+        )
         return model(self.pipeline_params(params), batch, *key)
 
     def embed(self, embed_params: Params, batch: Batch, key: jax.Array | None = None) -> jax.Array:

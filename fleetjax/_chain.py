@@ -211,7 +211,11 @@ def stage_order(params: Any, model_state: Any, plan: Plan, model: Loss, mesh: Me
     for tree, name in zip(trees, ("params", "model_state"), strict=False):
         check_pipeline_layers(tree, stages, vpp, name)
     if vpp > 1:
-        order = lambda tree: to_pipeline_order(tree.layers, stages, vpp)  # noqa: E731
+
+        def reorder(x: Any) -> Any:  # an abstract layer keeps its shape (nothing runs)
+            return x if isinstance(x, jax.ShapeDtypeStruct) else to_pipeline_order(x, stages, vpp)
+
+        order = lambda tree: jax.tree.map(reorder, tree.layers)  # noqa: E731
         trees = tuple(tree._replace(layers=order(tree)) for tree in trees)
     return trees if model_state is not None else (*trees, None)
 
@@ -262,9 +266,13 @@ def _reducer(
     plan: Plan, mesh: Mesh, placement: Placement
 ) -> tuple[grad_allreduce.Reducer, Any] | None:
     """The explicit reducer over the data axes, with the gradients' placement when it leaves
-    each device a shard (ZeRO-2/3), or None where XLA's own all-reduce does."""
+    each device a shard (ZeRO-2), or None where XLA's own collectives do (ZeRO-3: a reducer's
+    `shard_map` would gather every parameter at its entry, the whole model at once; XLA
+    gathers each where it is used and reduce-scatters its gradient)."""
+    if plan.sharding_stage == 3:
+        return None
     replicas = data_parallel_size(mesh)
-    zero2 = plan.sharding_stage >= 2 and mesh.shape.get("sharding", 1) > 1
+    zero2 = plan.sharding_stage == 2 and mesh.shape.get("sharding", 1) > 1
     dtype = jnp.dtype(plan.allreduce_dtype or jnp.float32)
     if zero2:  # each device ends with only its shard of the reduced gradient
         grads = placement.grads

@@ -1,28 +1,90 @@
-"""`explain`: what a strategy costs, from what XLA compiled."""
+"""`explain`: what a strategy costs, from what XLA compiled.
+
+On a mesh of GPUs that `fleetjax.targets` knows (compile-only devices of a target, or real GPUs
+of that kind) it also says what the step needs of the GPU: per-device HBM against the GPU's
+memory, pinned host bytes, every collective with its mesh axis, its bytes and whether XLA made
+it asynchronous, and a step time estimated with the roofline model of `fleetjax.auto` (its
+cost model, with the GPU's constants from `fleetjax.targets`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import html
 import math
 from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
+from jax.sharding import Mesh
 
-from fleetjax import hlo
+from fleetjax import hlo, targets
+from fleetjax.auto._cost import Seconds, device_spec, network_share, step_cost, wire_bytes
+from fleetjax.auto._memory import compiled_bytes, device_bytes, formula
 from fleetjax.step import TrainStep
 
-MiB = 2**20
+MiB, GiB = 2**20, 2**30
 
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveUse:
-    """The collectives of one kind and dtype in a compiled step."""
+    """The collectives of one kind and dtype in a compiled step (on a GPU target: also of one
+    mesh axis and one form, asynchronous or not).
+
+    Attributes:
+      op: "all-reduce", "all-gather", "reduce-scatter", "all-to-all" or "collective-permute".
+      dtype: the element type, e.g. "f32".
+      count: how many times one step runs them (a loop's body once per trip).
+      bytes: their results' bytes on each device, added up over those runs.
+      axes: the mesh axes their replica groups span, e.g. ("sharding",) (GPU targets).
+      asynchronous: whether XLA scheduled them as ``-start`` / ``-done`` pairs, which
+        computation can overlap (GPU targets).
+      seconds: their estimated time on the GPU (latency + wire bytes over NVLink or the
+        network; GPU targets).
+    """
 
     op: str
     dtype: str
-    count: int  # how many times one step runs them (a loop's body once per trip)
-    bytes: int  # their results' bytes on each device, added up over those runs
+    count: int
+    bytes: int
+    axes: tuple[str, ...] | None = None
+    asynchronous: bool | None = None
+    seconds: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuEstimate:
+    """What a compiled step needs of a GPU (`fleetjax.targets`): an estimate, not a measurement.
+
+    Attributes:
+      target: the GPU, e.g. "NVIDIA H100 SXM5 80 GB".
+      hbm_bytes: the GPU's memory.
+      peak_bytes: the step's device bytes, arguments + outputs - aliased + temporaries (an
+        upper bound of XLA's peak; a real run adds the CUDA context, NCCL buffers and
+        fragmentation).
+      host_bytes: bytes in pinned host memory (an offloaded optimizer state).
+      host_note: how `host_bytes` was found where XLA could not say.
+      time: the estimated step time by part (`fleetjax.auto`'s cost model).
+      matmul_flops: the matmul flops per device the estimate counts.
+      bytes_accessed: the device-memory bytes XLA's HloCostAnalysis counts.
+    """
+
+    target: str
+    hbm_bytes: int
+    peak_bytes: int
+    host_bytes: int
+    host_note: str
+    time: Seconds
+    matmul_flops: float
+    bytes_accessed: float
+
+    @property
+    def verdict(self) -> str:
+        """ "fits, 23.1 of 79.1 GiB" or "over by 4.2 GiB"."""
+        if self.peak_bytes <= self.hbm_bytes:
+            return f"fits, {self.peak_bytes / GiB:.1f} of {self.hbm_bytes / GiB:.1f} GiB"
+        return f"over by {(self.peak_bytes - self.hbm_bytes) / GiB:.1f} GiB"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +101,9 @@ class Explanation:
       arguments: all argument bytes (`memory_analysis().argument_size_in_bytes`).
       outputs: all output bytes.
       host_arguments: argument bytes in pinned host memory (an offloaded optimizer state).
-      collectives: by kind and dtype, each counted as often as one step runs it.
+      collectives: by kind and dtype (on a GPU target also by mesh axis and form), each
+        counted as often as one step runs it.
+      gpu: on a mesh of GPUs `fleetjax.targets` knows, what the step needs of them.
     """
 
     params: int
@@ -50,8 +114,9 @@ class Explanation:
     outputs: int
     host_arguments: int
     collectives: tuple[CollectiveUse, ...]
+    gpu: GpuEstimate | None = None
 
-    def __str__(self) -> str:
+    def _bytes_rows(self) -> list[tuple[str, int]]:
         rows = [
             ("parameters", self.params),
             ("gradients", self.grads),
@@ -62,59 +127,180 @@ class Explanation:
         ]
         if self.host_arguments:
             rows.append(("pinned host arguments", self.host_arguments))
+        return rows
+
+    def __str__(self) -> str:
         lines = ["per-device bytes:"]
-        lines += [f"  {name:<22} {value / MiB:10.3f} MiB" for name, value in rows]
+        lines += [f"  {name:<22} {value / MiB:10.3f} MiB" for name, value in self._bytes_rows()]
+        if self.gpu is not None:
+            lines += _gpu_lines(self.gpu)
         lines.append("collectives:" if self.collectives else "collectives: none")
-        lines += [
-            f"  {c.op:<19} {c.dtype:<5} x{c.count:<4} {c.bytes / MiB:10.3f} MiB"
-            for c in self.collectives
-        ]
+        lines += [_collective_line(c) for c in self.collectives]
+        if self.gpu is not None:
+            lines += _estimate_lines(self.gpu)
         return "\n".join(lines)
 
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))
 
-class _Uses(dict[tuple[str, str], tuple[int, int]]):
-    """(collective, dtype) -> (times run, result bytes on each device), over some instructions."""
+    def _repr_html_(self) -> str:
+        """Jupyter's view: the report as tables."""
+        cell = lambda v: f"<td>{html.escape(str(v))}</td>"  # noqa: E731
+        bytes_rows = [(n, f"{v / MiB:,.3f} MiB") for n, v in self._bytes_rows()]
+        if self.gpu is not None:
+            bytes_rows += [(n, f"{v / MiB:,.3f} MiB {c}") for n, v, c in _gpu_rows(self.gpu)]
+        parts = ["<table><tr><th colspan=2>per-device bytes</th></tr>"]
+        parts += [f"<tr>{cell(n)}{cell(v)}</tr>" for n, v in bytes_rows]
+        parts.append("</table>")
+        header = ["collective", "dtype", "runs", "MiB"]
+        if self.gpu is not None:
+            header += ["mesh axes", "asynchronous", "est. ms"]
+        parts.append("<table><tr>" + "".join(f"<th>{h}</th>" for h in header) + "</tr>")
+        parts += [
+            "<tr>" + "".join(cell(v) for v in _collective_cells(c)) + "</tr>"
+            for c in self.collectives
+        ]
+        parts.append("</table>")
+        if self.gpu is not None:
+            parts.append("<pre>" + html.escape("\n".join(_estimate_lines(self.gpu))) + "</pre>")
+        return "".join(parts)
 
-    @classmethod
-    def of_line(cls, line: str, shapes: Mapping[str, tuple[int, ...]]) -> _Uses:
-        uses = cls()
-        for c in hlo.collectives(line):
-            for dtype, dims in c.arrays:
-                uses += cls({(c.op, dtype): (1, hlo.itemsize(dtype) * math.prod(dims))})
-        return uses
+
+def _gpu_rows(gpu: GpuEstimate) -> list[tuple[str, int, str]]:
+    """(label, bytes, comment) of what the step needs of the GPU."""
+    rows = [("peak estimate", gpu.peak_bytes, f"{gpu.verdict} ({gpu.target})")]
+    if gpu.host_bytes:
+        rows.append(("pinned host memory", gpu.host_bytes, gpu.host_note))
+    return rows
+
+
+def _gpu_lines(gpu: GpuEstimate) -> list[str]:
+    return [
+        f"  {label:<22} {value / MiB:10.3f} MiB  {comment}".rstrip()
+        for label, value, comment in _gpu_rows(gpu)
+    ]
+
+
+def _collective_cells(c: CollectiveUse) -> list[str]:
+    cells = [c.op, c.dtype, f"x{c.count}", f"{c.bytes / MiB:.3f}"]
+    if c.axes is not None:
+        form = "async" if c.asynchronous else "sync"
+        cells += ["+".join(c.axes) or "-", form, f"{c.seconds * 1e3:.3g}"]
+    return cells
+
+
+def _collective_line(c: CollectiveUse) -> str:
+    line = f"  {c.op:<19} {c.dtype:<5} x{c.count:<4} {c.bytes / MiB:10.3f} MiB"
+    if c.axes is None:
+        return line
+    _, _, _, _, axes, form, ms = _collective_cells(c)
+    return f"{line}  over {axes:<14} {form:<5} ~{ms} ms"
+
+
+def _estimate_lines(gpu: GpuEstimate) -> list[str]:
+    t = gpu.time
+    return [
+        "estimated step time (a roofline model, not a measurement):",
+        f"  compute   {t.compute * 1e3:10.3f} ms  {gpu.matmul_flops:.3g} matmul flops / peak",
+        f"  memory    {t.memory * 1e3:10.3f} ms  {gpu.bytes_accessed:.3g} bytes / HBM bandwidth",
+        f"  NVLink    {t.links * 1e3:10.3f} ms  collectives within a host",
+        f"  network   {t.network * 1e3:10.3f} ms  collectives across hosts",
+        f"  latency   {t.latency * 1e3:10.3f} ms  per collective",
+        f"  host      {t.host * 1e3:10.3f} ms  offloaded state over PCIe",
+        f"  step    ~ {t.total * 1e3:10.3f} ms  max(compute, memory) + the rest (no overlap)",
+    ]
+
+
+class _Uses(dict[tuple, tuple[int, int, float]]):
+    """key -> (times run, result bytes on each device, estimated seconds), over some
+    instructions; the key is (collective, dtype), on a GPU target with its axes and form."""
 
     def __add__(self, other: _Uses) -> _Uses:  # type: ignore[override]
         total = _Uses(self)
-        for key, (count, size) in other.items():
-            before = total.get(key, (0, 0))
-            total[key] = (before[0] + count, before[1] + size)
+        for key, value in other.items():
+            before = total.get(key, (0, 0, 0.0))
+            total[key] = tuple(a + b for a, b in zip(before, value, strict=True))
         return total
 
     def times(self, n: int) -> _Uses:
-        return _Uses({key: (n * count, n * size) for key, (count, size) in self.items()})
+        return _Uses({key: tuple(n * a for a in value) for key, value in self.items()})
 
     @staticmethod
     def largest(branches: list[_Uses]) -> _Uses:
         """Of a conditional's branches, the one that moves the most bytes."""
-        return max(branches, key=lambda uses: sum(size for _, size in uses.values()))
+        return max(branches, key=lambda uses: sum(size for _, size, _ in uses.values()))
 
 
-def _device_bytes(abstract: Any, shardings: Any) -> int:
-    """Bytes one device holds of `abstract` (ShapeDtypeStructs) placed with `shardings`."""
+def _collective_uses(text: str, mesh: Mesh, gpu: bool) -> tuple[CollectiveUse, ...]:
+    """The collectives of a compiled module, each counted as often as one call runs it."""
+    hosts = [d.process_index for d in mesh.devices.flat]
+    spec = device_spec(mesh.devices.flat[0]) if gpu else None
 
-    def one(x: jax.ShapeDtypeStruct, sharding: jax.sharding.Sharding) -> int:
-        return math.prod(sharding.shard_shape(x.shape)) * x.dtype.itemsize
+    def of_line(line: str, shapes: Mapping[str, tuple[int, ...]]) -> _Uses:
+        uses = _Uses()
+        for c in hlo.collectives(line):
+            seconds = 0.0
+            if gpu:
+                wire, share = wire_bytes(c, mesh.size), network_share(c.groups, hosts)
+                network = spec.network_bandwidth or spec.link_bandwidth
+                seconds = wire * (1 - share) / spec.link_bandwidth + wire * share / network
+                seconds += spec.latency if wire else 0.0
+            for dtype, dims in c.arrays:
+                key = (c.op, dtype, _axes(c, mesh), c.asynchronous) if gpu else (c.op, dtype)
+                size = hlo.itemsize(dtype) * math.prod(dims)
+                share_of_time = seconds * size / max(c.result_bytes, 1)
+                uses += _Uses({key: (1, size, share_of_time)})
+        return uses
 
-    return sum(jax.tree.leaves(jax.tree.map(one, abstract, shardings)))
+    uses = hlo.per_call(text, of_line, _Uses(), _Uses.largest)
+    return tuple(
+        CollectiveUse(*key[:2], count, size, *key[2:], *((seconds,) if gpu else ()))
+        for key, (count, size, seconds) in sorted(uses.items())
+    )
+
+
+def _axes(c: hlo.Collective, mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes along which `c`'s first replica group spans devices (all of them when
+    the text states no groups)."""
+    if not c.groups:
+        return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
+    coordinates = np.array(np.unravel_index(list(c.groups[0]), mesh.devices.shape))
+    varies = (coordinates != coordinates[:, :1]).any(axis=1)
+    return tuple(a for a, v in zip(mesh.axis_names, varies, strict=True) if v)
+
+
+def _gpu_estimate(step: TrainStep, compiled: Any, target: targets.Target) -> GpuEstimate:
+    memory = compiled.memory_analysis()
+    peak, host, note = compiled_bytes(memory), memory.host_argument_size_in_bytes, ""
+    host += memory.host_temp_size_in_bytes
+    offloaded = formula(step).host
+    if offloaded and not memory.host_argument_size_in_bytes:
+        # Compile-only devices have no host memory: XLA kept the state on the device.
+        peak, host = peak - offloaded, host + offloaded
+        note = "the optimizer state's placement: compile-only devices cannot show it"
+    spec = device_spec(step.mesh.devices.flat[0], half_precision=step.plan.amp is not None)
+    cost = step_cost(compiled, spec, step.mesh)._replace(host_bytes=2.0 * offloaded)
+    return GpuEstimate(
+        target.description,
+        target.spec.hbm_bytes,
+        peak,
+        host,
+        note,
+        cost.time(spec),
+        cost.matmul_flops,
+        cost.bytes_accessed,
+    )
 
 
 def explain(step: TrainStep, batch: Any, state: Any = None, *, show: bool = True) -> Explanation:
     """Compile `step` for `batch` (nothing runs) and report what each device holds and sends.
 
-    `state` defaults to the one `step.init` made (its shapes). Prints the report unless
-    `show=False`; returns it either way. Collectives are counted as often as one step runs
-    them: those in a compiled loop (a pipeline's ticks, `num_iteration_per_run` steps) once per
-    trip, and of a conditional's branches the one that moves the most bytes.
+    `state` defaults to the one `step.init` or `step.abstract_init` made (its shapes); `batch`
+    may be arrays or `jax.ShapeDtypeStruct`s. Prints the report unless `show=False`; returns
+    it either way (Jupyter shows it as tables). Collectives are counted as often as one step
+    runs them: those in a compiled loop (a pipeline's ticks, `num_iteration_per_run` steps)
+    once per trip, and of a conditional's branches the one that moves the most bytes. On a
+    mesh of GPUs that `fleetjax.targets` knows, the report also has `Explanation.gpu`.
     """
     state = state if state is not None else step.abstract_state
     if state is None:
@@ -126,24 +312,22 @@ def explain(step: TrainStep, batch: Any, state: Any = None, *, show: bool = True
     abstract = jax.eval_shape(lambda s: s, state)
     placement = step.placement
     if placement.grads is None:  # per-replica optimizers: each device's own full gradient
-        grads = _device_bytes(abstract.params, placement.params)
+        grads = device_bytes(abstract.params, placement.params)
         if not step.plan.replica_params:  # replicated parameters, one full gradient
             grads = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract.params))
     else:
-        grads = _device_bytes(abstract.params, placement.grads)
-    uses = hlo.per_call(compiled.as_text(), _Uses.of_line, _Uses(), _Uses.largest)
+        grads = device_bytes(abstract.params, placement.grads)
+    target = targets.of(step.mesh.devices.flat[0])
     report = Explanation(
-        params=_device_bytes(abstract.params, placement.params),
+        params=device_bytes(abstract.params, placement.params),
         grads=grads,
-        opt_state=_device_bytes(abstract.opt_state, placement.opt_state),
+        opt_state=device_bytes(abstract.opt_state, placement.opt_state),
         temp=memory.temp_size_in_bytes,
         arguments=memory.argument_size_in_bytes,
         outputs=memory.output_size_in_bytes,
         host_arguments=memory.host_argument_size_in_bytes,
-        collectives=tuple(
-            CollectiveUse(op, dtype, count, size)
-            for (op, dtype), (count, size) in sorted(uses.items())
-        ),
+        collectives=_collective_uses(compiled.as_text(), step.mesh, target is not None),
+        gpu=None if target is None else _gpu_estimate(step, compiled, target),
     )
     if show:
         print(report)

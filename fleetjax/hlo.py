@@ -1,6 +1,7 @@
 """Reading what XLA compiled, from `compiled.as_text()` (any backend, compile-only GPUs too).
 
-* `collectives(text)`: every collective instruction, with its result bytes and group size;
+* `collectives(text)`: every collective instruction, with its result bytes, its replica groups
+  (device ids) and whether XLA made it asynchronous (a ``-start`` / ``-done`` pair);
 * `matmul_flops(line, shapes)`: 2 x the multiply-adds of a dot, convolution or library matmul;
 * `per_call(text, measure, zero, choose)`: a per-instruction measure summed over what one call
   of the module runs: a while loop's body its known trip count times, a conditional's branch
@@ -20,13 +21,17 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Protocol, Self, TypeVar
 
+import numpy as np
+
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_OP = re.compile(r"=\s*(?P<shape>.+?)\s+(?P<op>" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
-_LIST_GROUPS = re.compile(r"replica_groups=\{(\{[\d,]*\})")
-_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
+_OP = re.compile(r"=\s*(?P<shape>.+?)\s+(?P<op>" + "|".join(COLLECTIVES) + r")(?P<start>-start)?\(")
+_LIST_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+# An iota device list: iota(prod(dims)) reshaped to dims, transposed, reshaped to the groups.
+_IOTA = r"\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?"
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(?P<groups>\d+),(?P<size>\d+)\]<=" + _IOTA)
 _MESH_GROUPS = re.compile(
     r"replica_groups=mesh\[(?P<axes>[^\]]*)\]"
-    r"(?:,\s*device_ids=\(\[[\d,]*\](?:T\([\d,]*\))?\))?"  # a transposed device order
+    r"(?:,\s*device_ids=\(" + _IOTA + r"\))?"  # a transposed device order
     r"\s*\{(?P<names>[^}]*)\}"
 )
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
@@ -43,12 +48,20 @@ class Collective:
       shape: the result shape text, e.g. "f32[32,16]{1,0}" or a tuple of them.
       group_size: devices in each replica group (None if the text does not say).
       pairs: a collective-permute's (source, target) device pairs; empty for the others.
+      groups: the replica groups as device ids (a collective-permute's: its pairs), or None
+        where the text states none (one group of every device). The ids are positions in the
+        compiled computation's device assignment: for a `jax.jit` over a mesh,
+        ``mesh.devices.flat``.
+      asynchronous: whether XLA scheduled it as a ``-start`` / ``-done`` pair, so that
+        computation can run while it communicates.
     """
 
     op: str
     shape: str
     group_size: int | None
     pairs: tuple[tuple[int, int], ...] = ()
+    groups: tuple[tuple[int, ...], ...] | None = dataclasses.field(default=None, compare=False)
+    asynchronous: bool = dataclasses.field(default=False, compare=False)
 
     @property
     def arrays(self) -> list[tuple[str, tuple[int, ...]]]:
@@ -71,37 +84,75 @@ def itemsize(dtype: str) -> int:
     return max(int(digits) // 8, 1) if digits else 1
 
 
-def _group_size(line: str) -> int | None:
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+    shape = [int(d) for d in dims.split(",")]
+    ids = np.arange(math.prod(shape)).reshape(shape)
+    return ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
+
+
+def replica_groups(line: str) -> tuple[tuple[int, ...], ...] | None:
+    """The device ids of each replica group of a collective instruction, in any of XLA's
+    forms (lists, iota, mesh axes), or None where the line states none."""
     if m := _LIST_GROUPS.search(line):
-        return len([x for x in m.group(1).strip("{}").split(",") if x])
+        groups = re.findall(r"\{([\d,]*)\}", m.group(1))
+        found = tuple(tuple(int(x) for x in g.split(",") if x) for g in groups)
+        return found if any(found) else None
     if m := _IOTA_GROUPS.search(line):
-        return int(m.group(2))
+        ids = _iota(m["dims"], m["perm"]).reshape(int(m["groups"]), int(m["size"]))
+        return tuple(tuple(int(x) for x in group) for group in ids)
     if m := _MESH_GROUPS.search(line):
-        sizes = {
-            name.strip("'"): int(size)
-            for name, size in (item.split("=") for item in m.group("axes").split(","))
-        }
-        names = [n.strip().strip("'") for n in m.group("names").split(",") if n.strip()]
-        return math.prod(sizes[n] for n in names)
+        axes = [item.split("=") for item in m["axes"].split(",")]
+        names = [name.strip().strip("'") for name, _ in axes]
+        sizes = [int(size) for _, size in axes]
+        ids = np.arange(math.prod(sizes)) if m["dims"] is None else _iota(m["dims"], m["perm"])
+        ids = ids.reshape(sizes)
+        grouped = [names.index(n.strip().strip("'")) for n in m["names"].split(",") if n.strip()]
+        rest = [i for i in range(len(sizes)) if i not in grouped]
+        size = math.prod(sizes[i] for i in grouped)
+        ids = ids.transpose(rest + grouped).reshape(-1, size)
+        return tuple(tuple(int(x) for x in group) for group in ids)
     return None
 
 
+def _elements(tuple_shape: str) -> list[str]:
+    """The top-level elements of a tuple shape's text, e.g. ["f32[2]{0}", "(f32[], s32[])"]."""
+    inner, depth, start, found = tuple_shape.strip()[1:-1], 0, 0, []
+    for i, char in enumerate(inner):
+        if char in "({[":
+            depth += 1
+        elif char in ")}]":
+            depth -= 1
+        elif char == "," and depth == 0:
+            found.append(inner[start:i].strip())
+            start = i + 1
+    return [*found, inner[start:].strip()]
+
+
+def _result_shape(op: str, shape: str, asynchronous: bool) -> str:
+    """The collective's result: an asynchronous start's shape holds its operands, its results
+    and (a permute) its contexts, as ``(operands, results, ...)``."""
+    if not asynchronous or op == "all-reduce" or not shape.startswith("("):
+        return shape
+    return _elements(shape)[1]
+
+
 def collectives(hlo_text: str) -> list[Collective]:
-    """Every collective instruction in an HLO module's text (async pairs counted once)."""
+    """Every collective instruction in an HLO module's text (async pairs counted once; an
+    asynchronous start's shape is its results')."""
     found = []
     for line in hlo_text.splitlines():
         if (m := _OP.search(line)) and "-done(" not in line:
             pairs = _PAIRS.search(line)
-            found.append(
-                Collective(
-                    m.group("op"),
-                    m.group("shape"),
-                    _group_size(line),
-                    tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs[1]))
-                    if pairs
-                    else (),
-                )
+            pairs = (
+                tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs[1]))
+                if pairs
+                else ()
             )
+            groups = pairs or replica_groups(line)
+            size = len(groups[0]) if groups and not pairs else None
+            started = bool(m["start"])
+            shape = _result_shape(m["op"], m["shape"], started)
+            found.append(Collective(m["op"], shape, size, pairs, groups, asynchronous=started))
     return found
 
 

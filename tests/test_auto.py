@@ -300,13 +300,14 @@ def test_nothing_fits_names_the_smallest_candidate_and_the_budget():
     with pytest.raises(ValueError) as error:
         auto.search(mlp_loss, optax.adam(1e-3), mlp_params(), mlp_batch(), memory_budget=MiB)
     message = str(error.value)
-    # ZeRO-3 over 8 devices holds an eighth of the parameters and of both Adam moments: 1.5 MiB.
+    # ZeRO-3 over 8 devices with the optimizer state offloaded holds an eighth of the
+    # parameters and of their gradients: 1.0 MiB (and the step counter).
     assert message.startswith(
         "no candidate fits the memory budget of 1.0 MiB (1048576 bytes) per device: the "
-        "smallest, #10 dp=1 sharding=8 (stage 3), needs at least 1.5 MiB (its train state) "
-        "per device."
+        "smallest, #19 dp=1 sharding=8 (stage 3) offload, needs at least 1.0 MiB (its state "
+        "and gradients) per device."
     )
-    assert "dp=8" in message and "over budget: its train state alone is" in message
+    assert "dp=8" in message and "over budget: its state and gradients alone are" in message
 
 
 @pytest.mark.parametrize(

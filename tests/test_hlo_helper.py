@@ -55,3 +55,46 @@ def test_result_bytes():
     (one,) = collectives("%x = (f32[8,4]{1,0}, bf16[10]{0}) all-reduce(%a, %b)")
     assert one.arrays == [("f32", (8, 4)), ("bf16", (10,))]
     assert one.result_bytes == 8 * 4 * 4 + 10 * 2
+
+
+def test_replica_groups_as_device_ids_in_each_form():
+    from fleetjax.hlo import replica_groups
+
+    assert replica_groups(LISTS) == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert replica_groups(IOTA) == ((0, 1, 2, 3), (4, 5, 6, 7))
+    transposed = "%a = f32[8] all-gather(%b), replica_groups=[2,4]<=[4,2]T(1,0)"
+    assert replica_groups(transposed) == ((0, 2, 4, 6), (1, 3, 5, 7))
+    over_mp = "%x = f32[4] all-reduce(%y), replica_groups=mesh['dp'=2,'mp'=4] {'mp'}"
+    assert replica_groups(over_mp) == ((0, 1, 2, 3), (4, 5, 6, 7))
+    over_dp = "%x = f32[4] all-reduce(%y), replica_groups=mesh['dp'=2,'mp'=4] {'dp'}"
+    assert replica_groups(over_dp) == ((0, 4), (1, 5), (2, 6), (3, 7))
+    reordered = (
+        "%x = f32[4] all-reduce(%y), replica_groups=mesh['a'=2,'b'=2], "
+        "device_ids=([2,2]T(1,0)) {'b'}"
+    )
+    assert replica_groups(reordered) == ((0, 2), (1, 3))
+    assert replica_groups("%x = f32[4] all-reduce(%y), replica_groups={}") is None
+
+
+def test_asynchronous_pairs_and_permute_groups():
+    permute = "%p = f32[4]{0} collective-permute-start(%x), source_target_pairs={{0,1},{1,0}}"
+    sync, start, swap = collectives("\n".join([LISTS, IOTA, permute]))
+    assert not sync.asynchronous and start.asynchronous and swap.asynchronous
+    assert swap.groups == ((0, 1), (1, 0)) and swap.group_size is None
+
+
+def test_an_asynchronous_start_counts_its_results_only():
+    """XLA:GPU's start ops return (operands, results[, contexts])."""
+    lines = [
+        "%ag = (f32[2,4]{1,0}, f32[8,4]{1,0}) all-gather-start(%p), replica_groups=[2,4]<=[8]",
+        "%a2a = ((f32[4,2]{1,0}, bf16[4]{0}), (f32[4,2]{1,0}, bf16[4]{0})) "
+        "all-to-all-start(%a, %b)",
+        "%cp = (f32[3]{0}, f32[3]{0}, u32[], u32[]) collective-permute-start(%x), "
+        "source_target_pairs={{0,1}}",
+        "%ar = f32[5]{0} all-reduce-start(%y), replica_groups={{0,1}}",
+    ]
+    gather, swap, permute, reduce = collectives("\n".join(lines))
+    assert gather.arrays == [("f32", (8, 4))] and gather.result_bytes == 8 * 4 * 4
+    assert swap.arrays == [("f32", (4, 2)), ("bf16", (4,))]
+    assert permute.arrays == [("f32", (3,))]
+    assert reduce.arrays == [("f32", (5,))]

@@ -32,6 +32,8 @@ class GpuSpec:
         data sheet's bidirectional figure).
       network_bandwidth: what one GPU sends to other hosts: one InfiniBand adapter per GPU, as
         in NVIDIA's DGX systems of this GPU.
+      host_bandwidth: what one GPU moves to or from host memory over its PCIe link (one
+        direction: half the data sheet's bidirectional figure).
       source: where the figures come from.
     """
 
@@ -43,6 +45,7 @@ class GpuSpec:
     hbm_bandwidth: float
     nvlink_bandwidth: float
     network_bandwidth: float
+    host_bandwidth: float
     source: str
 
 
@@ -103,6 +106,7 @@ TARGETS: dict[str, Target] = {
                 hbm_bandwidth=3.35 * TB,
                 nvlink_bandwidth=450 * GB,  # NVLink 4: 18 links, 900 GB/s both ways
                 network_bandwidth=50 * GB,  # 400 Gb/s
+                host_bandwidth=64 * GB,  # PCIe Gen5 x16: 128 GB/s both ways
                 source=_H100_SHEET,
             ),
         ),
@@ -116,6 +120,7 @@ TARGETS: dict[str, Target] = {
                 hbm_bandwidth=4.8 * TB,
                 nvlink_bandwidth=450 * GB,
                 network_bandwidth=50 * GB,
+                host_bandwidth=64 * GB,  # PCIe Gen5 x16
                 source="NVIDIA H200 Tensor Core GPU data sheet (SXM); DGX H200 user guide "
                 "(8 ConnectX-7 400 Gb/s InfiniBand NDR adapters per 8 GPUs)",
             ),
@@ -130,6 +135,7 @@ TARGETS: dict[str, Target] = {
                 hbm_bandwidth=2.039 * TB,
                 nvlink_bandwidth=300 * GB,  # NVLink 3: 12 links, 600 GB/s both ways
                 network_bandwidth=25 * GB,  # 200 Gb/s
+                host_bandwidth=32 * GB,  # PCIe Gen4 x16: 64 GB/s both ways
                 source=_A100_SHEET,
             ),
         ),
@@ -143,6 +149,7 @@ TARGETS: dict[str, Target] = {
                 hbm_bandwidth=1.555 * TB,
                 nvlink_bandwidth=300 * GB,
                 network_bandwidth=25 * GB,
+                host_bandwidth=32 * GB,  # PCIe Gen4 x16
                 source=_A100_SHEET,
             ),
         ),

@@ -1,0 +1,405 @@
+"""Compiled for H100: GPT 1.3B to 175B on 8 to 1024 H100s that are not there (deviceless).
+
+For each GPT-3-shaped model (sequence 2048, bf16 compute with fp32 master weights, Adam) and
+GPU count, `fleetjax.auto.search` lays the model out over compile-only H100s
+(`fleetjax.targets`, 8 per host) and `fleetjax.explain` reads the chosen step's per-device HBM,
+collectives and estimated step time; Megatron-LM's published 175B layouts (tensor 8 x pipeline 8
+or 16) are compiled beside it. Then the CPU benchmarks' ZeRO staircase and pipeline schedules
+are compiled again for H100s and compared with the CPU compiles. Nothing runs: every figure is
+XLA:GPU's plan or the cost model's estimate, unverified on a real GPU.
+
+    python benchmarks/h100.py [--quick] [--out DIR]     # JAX_PLATFORMS=cpu, fleetjax[aot]
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import sys
+import time
+from typing import Any
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)  # before any backend starts; only affects CPU
+
+import _mlp  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+import pipeline_memory  # noqa: E402
+import zero_staircase  # noqa: E402
+from _report import MiB, Result, bench_devices  # noqa: E402
+from flax import nnx  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+import fleetjax  # noqa: E402
+from fleetjax import PipelineLayer, auto, targets  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
+from gpt import GPT, GPTConfig, GPTFunctions  # noqa: E402
+
+GiB = 2**30
+SEQ, VOCAB = 2048, 51200
+# name: (layers, hidden, heads, global batch in sequences): GPT-3's shapes and batch sizes
+# (Brown et al. 2020, table 2.1; 16 heads of 128 for the 1.3B model).
+MODELS = {
+    "1.3B": (24, 2048, 16, 512),
+    "6.7B": (32, 4096, 32, 1024),
+    "13B": (40, 5120, 40, 1024),
+    "175B": (96, 12288, 96, 1536),
+}
+GPUS = (8, 64, 512, 1024)
+# Tensor parallelism fixed within a host for the models Megatron-LM splits 8 ways (the search
+# over mp would compile each model a few more times on this 2-core machine).
+FIXED_MP = {"13B": 8, "175B": 8}
+MEGATRON = (("175B", 1024, 8, 8), ("175B", 1024, 8, 16))  # (model, GPUs, tensor, pipeline)
+PEAK = targets.get("h100").spec.peak_bf16_flops
+
+
+def gpt(name: str) -> tuple[GPTFunctions, Any, dict[str, jax.ShapeDtypeStruct]]:
+    """The example GPT at `name`'s size: its functions, abstract parameters and batch."""
+    layers, hidden, heads, sequences = MODELS[name]
+    config = GPTConfig(VOCAB, SEQ, hidden, heads, layers, 4 * hidden)
+    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    batch = {"tokens": jax.ShapeDtypeStruct((sequences, SEQ + 1), jnp.int32)}
+    return GPTFunctions(model), nnx.to_pure_dict(nnx.state(model)), batch
+
+
+def model_flops(name: str, params: Any) -> float:
+    """Flops of one step by PaLM's formula (Chowdhery et al. 2022, appendix B): 6 N per token
+    for the matmuls of N parameters, forward and backward, plus 12 L h s for attention."""
+    layers, hidden, _, sequences = MODELS[name]
+    n = sum(x.size for x in jax.tree.leaves(params))
+    return (6 * n + 12 * layers * hidden * SEQ) * sequences * SEQ
+
+
+def bf16() -> fleetjax.DistributedStrategy:
+    """bf16 compute with fp32 master weights (AMP O1): what every candidate keeps."""
+    s = fleetjax.DistributedStrategy(amp=True)
+    s.amp_configs = {"dtype": "bfloat16"}
+    return s
+
+
+def collectives_text(report: fleetjax.Explanation) -> str:
+    """The largest collectives, e.g. "all-gather/sharding x194 412 GiB"."""
+    by_axis: dict[tuple[str, str], list[float]] = {}
+    for c in report.collectives:
+        totals = by_axis.setdefault((c.op, "+".join(c.axes) or "-"), [0, 0.0])
+        totals[0] += c.count
+        totals[1] += c.bytes
+    largest = sorted(by_axis.items(), key=lambda item: -item[1][1])[:4]
+    return ", ".join(f"{op}/{axes} x{n} {size / GiB:.3g} GiB" for (op, axes), (n, size) in largest)
+
+
+def explained_row(name: str, gpus: int, step: fleetjax.TrainStep, params: Any, batch: Any) -> dict:
+    """What explain says of `step` compiled for `gpus` H100s, and the estimated MFU."""
+    state = step.abstract_init(params)
+    start = time.perf_counter()
+    report = fleetjax.explain(step, batch, state, show=False)
+    gpu = report.gpu
+    return {
+        "model": name,
+        "GPUs": gpus,
+        "HBM GiB": gpu.peak_bytes / GiB,
+        "fits": gpu.verdict,
+        "arguments GiB": report.arguments / GiB,
+        "temp GiB": report.temp / GiB,
+        "collectives (largest)": collectives_text(report),
+        "all-gathered GiB": sum(c.bytes for c in report.collectives if c.op == "all-gather") / GiB,
+        "est. step s": gpu.time.total,
+        "est. MFU": model_flops(name, params) / (gpu.time.total * gpus * PEAK),
+        "compile s": time.perf_counter() - start,
+    }
+
+
+def auto_row(name: str, gpus: int) -> dict[str, Any]:
+    """The layout `auto.search` picks for `name` on `gpus` H100s, explained."""
+    fns, params, batch = gpt(name)
+    strategy = bf16()
+    if name in FIXED_MP and gpus >= 8:
+        strategy.hybrid_configs = {"mp_degree": FIXED_MP[name]}
+    start = time.perf_counter()
+    try:
+        found = auto.search(
+            fns.loss_fn,
+            optax.adam(1e-4),
+            params,
+            batch,
+            strategy=strategy,
+            param_specs=fns.partition_specs(mesh=targets.mesh("h100", gpus, mp=8)),
+            devices=targets.devices("h100", gpus),
+        )
+    except ValueError as e:  # nothing fits: the smallest candidate says by how much
+        reason = str(e).splitlines()[0].split(": ", 1)[1].split(". Raise")[0]
+        return {"model": name, "GPUs": gpus, "by": "auto", "layout": f"nothing fits: {reason}"}
+    seconds = time.perf_counter() - start
+    chosen = found.chosen
+    row = {
+        "model": name,
+        "GPUs": gpus,
+        "by": "auto",
+        "layout": str(chosen.layout),
+        "state + grads formula GiB": chosen.formula_bytes / GiB,
+    }
+    row |= explained_row(name, gpus, found.make_train_step(), params, batch)
+    compiled = sum(c.device_bytes is not None for c in found.candidates)
+    return row | {
+        "compiled / considered": f"{compiled} / {len(found.candidates)}",
+        "search s": seconds,
+    }
+
+
+def megatron_row(name: str, gpus: int, tp: int, pp: int) -> dict[str, Any]:
+    """Megatron-LM's layout: tensor `tp` x pipeline `pp` (1F1B, micro-batches of one
+    sequence), data parallel over the rest with the optimizer state split over it (its
+    distributed optimizer = ZeRO-1), full recompute."""
+    fns, params, batch = gpt(name)
+    dp = gpus // (tp * pp)
+    sequences = MODELS[name][3]
+    s = bf16()
+    s.sharding, s.pipeline, s.recompute = True, True, True
+    s.hybrid_configs = {"sharding_degree": dp, "mp_degree": tp, "pp_degree": pp}
+    s.sharding_configs = {"sharding_degree": dp, "stage": 1}
+    s.pipeline_configs = {"accumulate_steps": sequences // dp, "micro_batch_size": 1}
+    s.recompute_configs = {"policy": "nothing_saveable"}
+    mesh = targets.mesh("h100", gpus, sharding=dp, pp=pp, mp=tp)
+    loss = PipelineLayer(fns.embed, fleetjax.recompute(fns.stage), fns.head_loss)
+    specs = fns.pipeline_params(fns.partition_specs(mesh=mesh))
+    step = fleetjax.make_train_step(loss, optax.adam(1e-4), s, mesh, param_specs=specs)
+    n = sum(x.size for x in jax.tree.leaves(params))
+    formula = n / (tp * pp) * (4 + 8 / dp + 4)  # fp32 weights, Adam over dp, fp32 gradients
+    row = {
+        "model": name,
+        "GPUs": gpus,
+        "by": "Megatron-LM",
+        "layout": f"dp={dp} (ZeRO-1) mp={tp} pp={pp} 1F1B recompute",
+        "state + grads formula GiB": formula / GiB,
+    }
+    return row | explained_row(name, gpus, step, fns.pipeline_params(params), batch)
+
+
+def zero_rows() -> list[dict[str, Any]]:
+    """The ZeRO staircase's MLP at each stage over 8 devices: CPU compile vs H100 compile."""
+    params, batch = zero_staircase.inputs()
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
+    p = sum(x.nbytes for x in params.values())
+    batch_bytes = sum(x.nbytes for x in batch.values()) // 8
+    rows = []
+    for stage in zero_staircase.STAGES:
+        found = {}
+        for where, mesh in (
+            ("CPU", fleetjax.build_mesh(dp=1, sharding=8, devices=bench_devices(8))),
+            ("H100", targets.mesh("h100", 8, dp=1, sharding=8)),
+        ):
+            strategy = zero_staircase.strategy(stage, 8, False)
+            step = fleetjax.make_train_step(_mlp.loss_fn, optax.adam(1e-3), strategy, mesh)
+            step.abstract_init(abstract[0])
+            found[where] = fleetjax.explain(step, abstract[1], show=False)
+        rows.append(
+            {
+                "stage": stage,
+                "formula MiB": zero_staircase.formula(stage, p, 8) / MiB,
+                **{f"{w} state MiB": (r.arguments - batch_bytes) / MiB for w, r in found.items()},
+                **{f"{w} temp MiB": r.temp / MiB for w, r in found.items()},
+                **{f"{w} collectives": _ops(r) for w, r in found.items()},
+            }
+        )
+    return rows
+
+
+def _ops(report: fleetjax.Explanation) -> str:
+    counts: dict[str, int] = {}
+    for c in report.collectives:
+        counts[c.op] = counts.get(c.op, 0) + c.count
+    return ", ".join(f"{op} x{n}" for op, n in sorted(counts.items()))
+
+
+def pipeline_rows(quick: bool) -> list[dict[str, Any]]:
+    """The pipeline benchmark's temp bytes per device: CPU compile vs H100 compile."""
+    pp = pipeline_memory.PP
+    micro_batches = (pp, 4 * pp) if quick else (pp, 2 * pp, 4 * pp, 8 * pp)
+    h100s = targets.devices("h100", pp)
+    rows = []
+    for mode, vpp in pipeline_memory.SCHEDULES:
+        for m in micro_batches:
+            cpu = pipeline_memory.temp_bytes(mode, vpp, m) / MiB
+            gpu = pipeline_memory.temp_bytes(mode, vpp, m, h100s) / MiB
+            name = mode if vpp == 1 else f"{mode} (V={vpp})"
+            rows.append(
+                {
+                    "schedule": name,
+                    "micro-batches": m,
+                    "CPU temp MiB": cpu,
+                    "H100 temp MiB": gpu,
+                    "H100 / CPU": gpu / cpu,
+                }
+            )
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """`rows` as a markdown table."""
+    columns = list(dict.fromkeys(c for row in rows for c in row))
+
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+        return "-" if value is None else str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "| " + " | ".join("---" for _ in columns) + " |"]
+    lines += ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _figure(rows: list[dict[str, Any]]) -> Figure:
+    fig = Figure(figsize=(10, 3.8))
+    memory, mfu = fig.subplots(1, 2)
+    for name in MODELS:
+        mine = [r for r in rows if r["model"] == name and "HBM GiB" in r and r["by"] == "auto"]
+        if mine:
+            gpus = [r["GPUs"] for r in mine]
+            memory.plot(gpus, [r["HBM GiB"] for r in mine], "o-", label=f"GPT {name}")
+            mfu.plot(gpus, [100 * r["est. MFU"] for r in mine], "o-", label=f"GPT {name}")
+    for r in rows:
+        if r["by"] == "Megatron-LM":
+            label = " ".join(r["layout"].split()[2:4])
+            memory.plot([r["GPUs"]], [r["HBM GiB"]], "x", label=f"Megatron-LM {r['model']} {label}")
+    memory.axhline(targets.get("h100").spec.hbm_bytes / GiB, color="k", ls="--", lw=1)
+    memory.set_yscale("log")
+    memory.set_ylabel("per-device HBM, GiB (peak estimate)")
+    memory.set_title("Per-device HBM of the layout auto picks (H100: 79.1 GiB)")
+    mfu.axhline(47, color="g", ls=":", lw=1, label="Megatron-LM, H100 (47%)")
+    mfu.axhline(50, color="m", ls=":", lw=1, label="MaxText (~50%)")
+    mfu.set_ylabel("estimated MFU, %")
+    mfu.set_title("Estimated MFU (roofline, no overlap)")
+    for ax in (memory, mfu):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(GPUS, [str(g) for g in GPUS])
+        ax.set_xlabel("H100s")
+        ax.legend(fontsize=7)
+    return fig
+
+
+def run(quick: bool = False) -> Result:
+    title = "Compiled for H100 (deviceless): GPT 1.3B to 175B on 8 to 1024 GPUs"
+    if not targets.plugin_installed():
+        missing = "Not run: jax's CUDA plugin is missing (`pip install -e '.[aot]'`)."
+        return Result(title, [], missing)
+    cases = [("1.3B", 8), ("175B", 1024)] if quick else [(m, g) for m in MODELS for g in GPUS]
+    start = time.perf_counter()
+    rows = [auto_row(name, gpus) for name, gpus in cases]
+    if not quick:
+        rows += [megatron_row(*layout) for layout in MEGATRON]
+    zero, pipe = zero_rows(), pipeline_rows(quick)
+    notes = NOTES.format(
+        seconds=time.perf_counter() - start,
+        zero=markdown(zero),
+        pipeline=markdown(pipe),
+        **_figures(rows, zero, pipe),
+    )
+    return Result(title, rows, notes, _figure(rows))
+
+
+def _slowest(rows: list[dict]) -> str:
+    searched = [r for r in rows if "search s" in r]
+    r = max(searched, key=lambda r: r["search s"], default=None)
+    if r is None:
+        return "-"
+    return (
+        f"GPT {r['model']} on {r['GPUs']} H100s compiled {r['compiled / considered']} "
+        f"candidates in {r['search s']:.0f} s"
+    )
+
+
+def _figures(rows: list[dict], zero: list[dict], pipe: list[dict]) -> dict[str, str]:
+    """The numbers the notes quote."""
+    fitted = [r for r in rows if "est. MFU" in r and r["by"] == "auto"]
+    big = next((r for r in fitted if (r["model"], r["GPUs"]) == ("175B", 1024)), {})
+    megatron = [r for r in rows if r["by"] == "Megatron-LM"]
+    ratio = [r["H100 / CPU"] for r in pipe]
+    return {
+        "best_mfu": f"{100 * max((r['est. MFU'] for r in fitted), default=0):.1f}",
+        "big_hbm": f"{big.get('HBM GiB', math.nan):.1f}",
+        "big_layout": big.get("layout", "-"),
+        "big_search": f"{big.get('search s', math.nan):.0f}",
+        "megatron_hbm": ", ".join(f"{r['HBM GiB']:.0f}" for r in megatron) or "-",
+        "megatron_gather": ", ".join(f"{r['all-gathered GiB'] / 1024:.0f}" for r in megatron),
+        "slowest": _slowest(rows),
+        "zero_temp": ", ".join(f"{r['H100 temp MiB'] / r['CPU temp MiB']:.2f}" for r in zero),
+        "pipe_low": f"{min(ratio):.2f}",
+        "pipe_high": f"{max(ratio):.2f}",
+    }
+
+
+NOTES = """
+**Deviceless, unverified on a real GPU.** Every figure here is what XLA:GPU (jaxlib's CUDA
+plugin, no GPU attached) planned for compile-only H100s (`fleetjax.targets`, 8 per host), or
+fleetjax's roofline estimate of it; no GPU was lent to this project, so none is measured. A
+real run adds the CUDA context, NCCL's buffers and allocator fragmentation to the HBM, and its
+speed depends on kernels that XLA autotunes on a GPU (here it cannot).
+
+GPT-3's shapes (Brown et al. 2020: 1.3B 24 x 2048, 6.7B 32 x 4096, 13B 40 x 5120, 175B
+96 x 12288, heads of 128) with the example GPT (`examples/gpt.py`: scanned blocks, Megatron
+layers), vocabulary 51200, sequence 2048, GPT-3's batch sizes (512, 1024, 1024 and 1536
+sequences); bf16 compute with fp32 master weights (AMP O1), Adam. A layout "by auto" is what
+`fleetjax.auto.search(..., devices=targets.devices("h100", N))` chose from its candidates
+(dp, ZeRO stage and degree, mp up to a host's 8, recompute, in-step micro-batches, offload),
+the 13B and 175B with mp fixed at 8 as Megatron-LM splits them; "HBM GiB" is the chosen step's
+arguments + outputs - aliased + temporaries per device (`explain`'s peak estimate), against
+the H100's 79.1 GiB; "state + grads formula GiB" the same from the placement alone (fp32
+weights, Adam's moments and the gradients, each split as ZeRO says). The whole 175B search on
+1024 H100s (chosen: {big_layout}, {big_hbm} GiB per device) took {big_search} s here; where
+many layouts fit, the lower bound prunes little and the search compiles most of them (the
+slowest: {slowest}). "est.
+step s" is the cost model's step time: max(matmul flops / 989.4 TFLOP/s, HBM bytes / 3.35 TB/s)
+plus every collective's ring bytes over NVLink (450 GB/s) within a host and InfiniBand (50 GB/s
+per GPU) across hosts, with no overlap; "est. MFU" is PaLM's model flops (6 N + 12 L h s per
+token) over that time and the bf16 peak. The best estimate here is {best_mfu}%, below the
+published figures (Megatron-LM: up to 47% MFU on H100 for GPT models of 2B to 462B, its
+README; MaxText: about 50%) because (1) the estimate assumes no overlap of communication with
+compute, which XLA's asynchronous collectives (every one here is a -start/-done pair) and
+Megatron's overlap flags give back; (2) fleetjax's ZeRO-3 at these batch sizes gathers fp32
+weights for every micro-batch and every recompute pass, over the network when tensor
+parallelism fills the host; (3) no autotuning and no fused attention kernels (the example GPT
+materialises the attention scores).
+
+Megatron-LM's layouts for 175B (tensor 8 x pipeline 8 or 16, its distributed optimizer as
+ZeRO-1 over the data-parallel rest, micro-batches of one sequence, full recompute) compile to
+{megatron_hbm} GiB per device, over the H100's memory and far over the formula: fleetjax's
+pipeline keeps each in-flight micro-batch's `jax.vjp` residuals, and under AMP those include
+the chunk's weights cast to bf16 (a copy per in-flight micro-batch, up to 2 pp - 1 of them;
+the residuals that are the parameters themselves are already left out). They also all-gather
+{megatron_gather} TiB per step over `sharding` (ZeRO-1's data-parallel axis), far more than
+the one gather of the updated weights ZeRO-1 needs. Until the pipeline recomputes weight-only
+residuals in the backward pass and keeps ZeRO-1's gather out of its ticks, `auto` finds
+pipelines over budget at this scale; these are fleetjax's defects, not Megatron-LM's.
+
+**ZeRO staircase, CPU vs H100 compiles** (the CPU benchmark's MLP, 8 devices):
+
+{zero}
+
+The state bytes agree (they follow from the placement, whatever the backend). The
+temporaries need not (H100 / CPU by stage: {zero_temp}): each backend fuses and assigns
+buffers its own way, XLA:GPU makes every collective asynchronous (a -start keeps its buffers
+live until its -done), and at stage 3, where XLA chooses the collectives, the two backends
+choose differently (the columns of collectives). Which of these makes each difference was
+not isolated.
+
+**Pipeline memory, CPU vs H100 compiles** (the CPU benchmark's pp=4 model):
+
+{pipeline}
+
+The curves agree in shape (FThenB grows with m, 1F1B stays flat, VPP levels off: the
+schedules keep the same residual slots on both backends), not in size: XLA:GPU's temporaries
+are {pipe_low} to {pipe_high} times the CPU's, for the same reasons as above (asynchronous
+permutes keep their send and receive buffers live across a tick; fusion and buffer assignment
+differ); not isolated further.
+
+This run compiled for {seconds:.0f} s on this project's 2-core machine.
+"""
+
+
+if __name__ == "__main__":
+    from _report import main
+
+    main("h100", run)

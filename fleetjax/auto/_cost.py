@@ -1,0 +1,322 @@
+"""The cost model: a compiled step's time on one device, from its HLO and the device's constants.
+
+On one device, with the constants of its `DeviceSpec`::
+
+    time = max(matmul_flops / peak_flops, bytes_accessed / hbm_bandwidth)
+         + sum over collectives of (latency + wire_bytes / bandwidth)
+         + host_bytes / host_bandwidth
+
+The first term is a roofline over the whole step: the tensor cores' work, or, where it is
+larger, the kernels' reads and writes of device memory (on GPU targets, from XLA's
+HloCostAnalysis; elsewhere the memory term is left out). The wire bytes of a collective over a
+group of g devices with a result of R bytes are those of ring algorithms: all-reduce
+``2 (g-1)/g R``, all-gather and all-to-all ``(g-1)/g R``, reduce-scatter ``(g-1) R``,
+collective-permute ``R``. They go at the link bandwidth (NVLink, ICI) within a host; a group
+that spans hosts with k of its devices on each sends ``wire_bytes / k`` over the network (one
+adapter per device, k rings side by side) and the rest over the links. An optimizer state
+offloaded to pinned host memory crosses PCIe twice per step (fetched for the update, written
+back). Compute and communication are not assumed to overlap. A pipeline's bubble is in the
+compiled program (its loop of ticks), not in a formula. The matmul flops and the collectives
+are read from the compiled HLO with every known-trip-count loop counted once per trip (XLA's
+cost analysis counts a loop body once, which would make micro-batching, pipelines and scanned
+layers look cheap), and a conditional by its costliest branch.
+
+GPU constants come from `fleetjax.targets` (one source for them), for compile-only devices of a
+target and real GPUs of that kind alike; `DEVICE_SPECS` has the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.extend
+import numpy as np
+
+from fleetjax import hlo, targets
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpec:
+    """The constants of the cost model for one kind of device.
+
+    Attributes:
+      name: what the constants are for.
+      peak_flops: matmul flops per second (dense tensor-core peak at the step's precision on
+        GPUs: bfloat16 / float16, or TF32 for float32; the MXU peak on TPUs).
+      link_bandwidth: bytes per second one device sends in a collective within its host
+        (one direction: NVLink, ICI).
+      latency: seconds each collective costs on top of its bytes.
+      network_bandwidth: bytes per second one device sends to other hosts (its network
+        adapter); None: as `link_bandwidth`.
+      hbm_bandwidth: device-memory bytes per second, for the memory term; None: no memory
+        term.
+      host_bandwidth: bytes per second between the device and pinned host memory (one
+        direction: PCIe), for an offloaded optimizer state; None: not counted.
+    """
+
+    name: str
+    peak_flops: float
+    link_bandwidth: float
+    latency: float
+    network_bandwidth: float | None = None
+    hbm_bandwidth: float | None = None
+    host_bandwidth: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("peak_flops", "link_bandwidth", "latency"):
+            _check_positive(name, getattr(self, name))
+        for name in ("network_bandwidth", "hbm_bandwidth", "host_bandwidth"):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name))
+
+    @classmethod
+    def of_target(cls, target: targets.Target, half_precision: bool = True) -> DeviceSpec:
+        """The constants of a GPU target (`fleetjax.targets`): its bfloat16 peak, or its TF32
+        peak for float32 matmuls; NVLink, network, HBM and PCIe as `Target.spec` says."""
+        spec = target.spec
+        return cls(
+            f"{target.description} ({'bf16' if half_precision else 'tf32'} peak)",
+            spec.peak_bf16_flops if half_precision else spec.peak_tf32_flops,
+            spec.nvlink_bandwidth,
+            GPU_COLLECTIVE_LATENCY,
+            network_bandwidth=spec.network_bandwidth,
+            hbm_bandwidth=spec.hbm_bandwidth,
+            host_bandwidth=spec.host_bandwidth,
+        )
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"DeviceSpec.{name} must be a positive number, got {value!r}")
+
+
+# A small NCCL collective's time on NVLink and InfiniBand (tens of microseconds at scale).
+GPU_COLLECTIVE_LATENCY = 1e-5
+
+# Devices other than GPUs, matched against `device.device_kind` (lower case), first match wins.
+# Published peaks; the bandwidths are per device and direction (TPU ICI); latencies are typical
+# small-message collective times. The simulated CPU devices share the host's cores and memory.
+DEVICE_SPECS: tuple[tuple[str, DeviceSpec], ...] = (
+    ("cpu", DeviceSpec("XLA:CPU (simulated devices)", 5e10, 1e10, 2e-5)),
+    ("tpu v4", DeviceSpec("TPU v4 (ICI)", 275e12, 150e9, 1e-5)),
+    ("tpu v5 lite", DeviceSpec("TPU v5e (ICI)", 197e12, 100e9, 1e-5)),
+    ("tpu v5", DeviceSpec("TPU v5p (ICI)", 459e12, 300e9, 1e-5)),
+)
+
+
+def device_spec(device: jax.Device | None = None, *, half_precision: bool = True) -> DeviceSpec:
+    """The cost-model constants for `device` (default: the first device): a GPU's from
+    `fleetjax.targets` (its peak for half-precision matmuls, or with `half_precision=False`
+    TF32's), the others' from `DEVICE_SPECS`.
+
+    Raises:
+      ValueError: for a device kind neither knows; pass `search(..., device=DeviceSpec(...))`.
+    """
+    device = device if device is not None else jax.devices()[0]
+    target = targets.of(device)
+    if target is not None:
+        return DeviceSpec.of_target(target, half_precision)
+    kind = device.device_kind.lower()
+    for key, spec in DEVICE_SPECS:
+        if key in kind:
+            return spec
+    raise ValueError(
+        f"no cost-model constants for device kind {device.device_kind!r} (known: "
+        f"{', '.join(key for key, _ in DEVICE_SPECS)} and the GPU targets "
+        f"{', '.join(t.device_kind for t in targets.TARGETS.values())}); pass "
+        "device=fleetjax.auto.DeviceSpec(name, peak_flops, link_bandwidth, latency)"
+    )
+
+
+def default_memory_budget(device: jax.Device | None = None) -> tuple[int, str]:
+    """(bytes, where from): the allocator's limit of `device` (`memory_stats()["bytes_limit"]`);
+    for a compile-only GPU, its memory (`fleetjax.targets`); where the device reports none
+    (CPU), the host's physical memory shared evenly by this process's devices."""
+    device = device if device is not None else jax.devices()[0]
+    try:
+        stats = device.memory_stats() or {}
+    except jax.errors.JaxRuntimeError:  # a compile-only device has none
+        stats = {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]), f"memory_stats()['bytes_limit'] of {device}"
+    target = targets.of(device)
+    if target is not None:
+        return target.spec.hbm_bytes, f"the memory of an {target.description}"
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    local = jax.local_device_count()
+    return host // local, f"host memory {bytes_text(host)} / {local} local devices"
+
+
+class Seconds(NamedTuple):
+    """One step's estimated time on one device, by part (see the module docstring)."""
+
+    compute: float  # matmul flops / peak flops
+    memory: float  # bytes accessed / HBM bandwidth (0 without a memory term)
+    links: float  # collective bytes within a host / link bandwidth
+    network: float  # collective bytes across hosts / network bandwidth
+    latency: float  # a latency per collective
+    host: float  # bytes to and from pinned host memory / host bandwidth
+
+    @property
+    def total(self) -> float:
+        communication = self.links + self.network + self.latency + self.host
+        return max(self.compute, self.memory) + communication
+
+
+class HloCost(NamedTuple):
+    """What one step of a compiled module does on one device, every loop trip counted.
+
+    Attributes:
+      matmul_flops: 2 x the multiply-adds of dots and convolutions (and of library matmul calls
+        whose backend config gives dot dimensions, as cuBLAS calls on GPUs do).
+      collective_bytes: the collectives' result bytes.
+      wire_bytes: the bytes each device sends, by ring algorithms (see the module docstring).
+      collectives: how many collectives run (each costs a latency).
+      network_bytes: the part of `wire_bytes` that goes over the network to other hosts.
+      bytes_accessed: device-memory bytes the kernels read and write (XLA's HloCostAnalysis,
+        `fleetjax.targets.cost_analysis`; 0 where not measured).
+      host_bytes: bytes moved between the device and pinned host memory (an offloaded
+        optimizer state fetched for the update and written back; 0 without offload).
+    """
+
+    matmul_flops: float = 0.0
+    collective_bytes: float = 0.0
+    wire_bytes: float = 0.0
+    collectives: float = 0.0
+    network_bytes: float = 0.0
+    bytes_accessed: float = 0.0
+    host_bytes: float = 0.0
+
+    def __add__(self, other: tuple) -> HloCost:  # type: ignore[override]
+        return HloCost(*(a + b for a, b in zip(self, other, strict=True)))
+
+    def times(self, n: float) -> HloCost:
+        return HloCost(*(n * a for a in self))
+
+    def time(self, device: DeviceSpec) -> Seconds:
+        """The estimate under the cost model, by part."""
+        network = device.network_bandwidth or device.link_bandwidth
+        return Seconds(
+            self.matmul_flops / device.peak_flops,
+            self.bytes_accessed / device.hbm_bandwidth if device.hbm_bandwidth else 0.0,
+            (self.wire_bytes - self.network_bytes) / device.link_bandwidth,
+            self.network_bytes / network,
+            self.collectives * device.latency,
+            self.host_bytes / device.host_bandwidth if device.host_bandwidth else 0.0,
+        )
+
+    def seconds(self, device: DeviceSpec) -> tuple[float, float]:
+        """(computation, communication) seconds under the cost model."""
+        t = self.time(device)
+        return max(t.compute, t.memory), t.total - max(t.compute, t.memory)
+
+
+def wire_bytes(c: hlo.Collective, devices: int) -> float:
+    """Bytes one device sends for `c` by ring algorithms; a group the text does not state is
+    taken to be all `devices` (an upper bound)."""
+    group, result = c.group_size or devices, c.result_bytes
+    if c.op == "collective-permute":
+        return float(result)
+    if group <= 1:
+        return 0.0
+    share = (group - 1) / group
+    return {"all-reduce": 2 * share, "reduce-scatter": group - 1.0}.get(c.op, share) * result
+
+
+def network_share(groups: Sequence[Sequence[int]] | None, hosts: Sequence[int] | None) -> float:
+    """The share of a collective's wire bytes that one device sends over the network: 0
+    within a host; for a group spanning hosts with k devices on each, 1 / k. `groups` are the
+    replica groups as device positions (None: one group of all); `hosts` the host (process)
+    of each device of the computation, by position (None: one host)."""
+    if hosts is None:
+        return 0.0
+    groups = groups or (tuple(range(len(hosts))),)
+    host_of = np.asarray(hosts)
+    shares = [0.0]
+    for group in groups:
+        _, per_host = np.unique(host_of[list(group)], return_counts=True)
+        if len(per_host) > 1:
+            shares.append(1.0 / per_host.max())
+    return max(shares)
+
+
+def hlo_cost(
+    hlo_text: str, device: DeviceSpec, devices: int, hosts: Sequence[int] | None = None
+) -> HloCost:
+    """The `HloCost` of one call of a compiled module (`compiled.as_text()`).
+
+    A while loop with a known trip count (XLA's ``known_trip_count``) counts its body that many
+    times (once if unknown); a conditional counts its costliest branch (by `device`'s cost
+    model); fusions and calls count their computations once per call. `devices` is the
+    group size assumed for a collective whose replica groups the text does not state; `hosts`
+    the host (process index) of each of the computation's devices, by position
+    (`[d.process_index for d in mesh.devices.flat]`; None: all on one host).
+    """
+
+    def measure(line: str, shapes: Mapping[str, tuple[int, ...]]) -> HloCost:
+        total = HloCost(matmul_flops=hlo.matmul_flops(line, shapes))
+        for c in hlo.collectives(line):
+            wire = wire_bytes(c, devices)
+            launches = 1.0 if wire or c.op == "collective-permute" else 0.0
+            network = wire * network_share(c.groups, hosts)
+            total += HloCost(0.0, float(c.result_bytes), wire, launches, network)
+        return total
+
+    def costliest(branches: list[HloCost]) -> HloCost:
+        return max(branches, key=lambda c: c.time(device).total)
+
+    return hlo.per_call(hlo_text, measure, HloCost(), costliest)
+
+
+def step_cost(
+    compiled: jax.stages.Compiled, device: DeviceSpec, mesh: jax.sharding.Mesh
+) -> HloCost:
+    """The `HloCost` of a step compiled over `mesh`, with the bytes its kernels access where
+    `device` has a memory term (XLA's HloCostAnalysis: `fleetjax.targets.cost_analysis`)."""
+    text = compiled.as_text()
+    hosts = [d.process_index for d in mesh.devices.flat]
+    cost = hlo_cost(text, device, mesh.size, hosts)
+    if device.hbm_bandwidth is None:
+        return cost
+    return cost._replace(bytes_accessed=targets.cost_analysis(text).bytes_accessed)
+
+
+def model_flops(fn: Any, *args: Any) -> float:
+    """2 x the multiply-adds of the matmuls and convolutions `fn(*args)` traces (arrays or
+    `jax.ShapeDtypeStruct`s; nothing runs), a scan's body once per step: the model's matmul
+    flops on one device, which a layout over N devices splits at best evenly."""
+    return _jaxpr_flops(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def _jaxpr_flops(jaxpr: jax.extend.core.Jaxpr) -> float:
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            (contracting, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            total += (
+                2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contracting)
+            )
+        elif name == "conv_general_dilated":
+            kernel = eqn.invars[1].aval.shape
+            out_features = kernel[eqn.params["dimension_numbers"].rhs_spec[0]]
+            total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(kernel) / out_features
+        inner = [_jaxpr_flops(j) for j in jax.extend.core.jaxprs_in_params(eqn.params)]
+        if name == "cond":
+            total += max(inner, default=0.0)
+        else:
+            total += eqn.params["length"] * sum(inner) if name == "scan" else sum(inner)
+    return total
+
+
+def bytes_text(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"

@@ -1,6 +1,6 @@
 """Run every benchmark and write `results/*.json`, `results/*.png` and `RESULTS.md`.
 
-    python benchmarks/run.py                  # all of them (under 10 minutes on 2 CPU cores)
+    python benchmarks/run.py                  # all of them (h100 alone: ~25 min on 2 cores)
     python benchmarks/run.py --quick          # fewer cases and repeats
     python benchmarks/run.py --only comm_bytes --only zero_staircase --out /tmp/bench
 

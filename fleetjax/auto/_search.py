@@ -244,8 +244,9 @@ class _Planner:
         baseline = Layout(len(self.devices))
         for layout in layouts:
             self.consider(layout, always_compile=layout == baseline)
-        # ZeRO layouts over the budget try the optimizer state in pinned host memory.
-        for c in list(self.done):
+        # ZeRO layouts over the budget try the optimizer state in pinned host memory, where
+        # there is one apart from the devices' (a CPU device's memory is the host's).
+        for c in list(self.done) if self.devices[0].platform != "cpu" else []:
             if c.status == OVER_BUDGET and c.layout.sharding > 1 and not c.layout.offload:
                 self.consider(dataclasses.replace(c.layout, offload=True))
         # Savers only add work: a layout estimated no faster than the best candidate needs none.
@@ -265,14 +266,16 @@ class _Planner:
                 self.consider(layout, floor=base if lean is base else None)
 
     def leanest(self, base: Candidate) -> Candidate:
-        """Of the layouts that split the activations as `base` does, the one whose state and
-        gradients take the least memory (savers shrink the activations alone), without offload
-        where one fits (offload costs PCIe time)."""
+        """Of the layouts over the budget that split the activations as `base` does, the one
+        whose state and gradients take the least memory (savers shrink the activations alone),
+        without offload where one fits (offload costs PCIe time). One that fits already needs
+        no saver."""
         alike = [
             c
             for c in self.done
             if c.layout is not None
             and c.formula_bytes is not None
+            and not c.fits
             and split(c.layout) == split(base.layout)
         ]
         return min(

@@ -128,7 +128,8 @@ class TestFleet:
             fresh_fleet.init(strategy=s)
 
     @pytest.mark.parametrize("call", ["init_worker", "init_server", "run_server", "stop_worker"])
-    def test_parameter_server_calls(self, fresh_fleet, call):
+    def test_parameter_server_calls(self, fresh_fleet, call, monkeypatch):
+        monkeypatch.setenv("PADDLE_TRAINER_ENDPOINTS", "127.0.0.1:6170")  # not a lone process
         fresh_fleet.init()
         with pytest.raises(NotImplementedError, match=f"{call}.*parameter-server"):
             getattr(fresh_fleet, call)()

@@ -307,7 +307,8 @@ class TestRoleMakers:
         assert fresh_fleet.util.role_maker is fresh_fleet._role
 
     @pytest.mark.parametrize("call", ["init_worker", "stop_worker"])
-    def test_parameter_server_calls_are_also_value_errors(self, fresh_fleet, call):
+    def test_parameter_server_calls_are_also_value_errors(self, fresh_fleet, call, monkeypatch):
+        monkeypatch.setenv("PADDLE_TRAINER_ENDPOINTS", "127.0.0.1:36000")  # not a lone process
         fresh_fleet.init()
         with pytest.raises(ValueError, match=f"{call}.. is a parameter-server call"):
             getattr(fresh_fleet, call)()

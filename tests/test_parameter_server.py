@@ -7,7 +7,11 @@ import pathlib
 import re
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 from launching import alive, free_port, wait_for
 
 import fleetjax
@@ -16,6 +20,17 @@ from fleetjax.fleet.base.role_maker import PaddleCloudRoleMaker, Role, UserDefin
 
 SERVERS = "127.0.0.1:6001,127.0.0.1:6002"
 PS_WORKER = pathlib.Path(__file__).parent / "ps_worker.py"
+
+
+class TableModel(nnx.Module):
+    """A sparse table, summed over each example's ids, and a dense layer."""
+
+    def __init__(self, rngs):
+        self.emb = fleetjax.layers.SparseEmbedding(64, 4, table_name="emb", rngs=rngs)
+        self.out = nnx.Linear(4, 1, rngs=rngs)
+
+    def __call__(self, ids):
+        return self.out(self.emb(ids).sum(1))[:, 0]
 
 
 def ps_env(role, **extra):
@@ -54,6 +69,69 @@ class TestRoleMakers:
         assert (role._is_worker(), role._worker_num(), role._server_num()) == (True, 1, 0)
         assert role._is_non_distributed() and not role.is_collective
 
+    def test_without_servers_the_trainer_variables_are_ignored_as_in_paddle(self):
+        """Paddle's test_fleet_base_2 sets PADDLE_TRAINER_ID=1 beside PADDLE_TRAINERS_NUM=1."""
+        env = {"PADDLE_TRAINER_ID": "1", "PADDLE_TRAINERS_NUM": "1", "TRAINING_ROLE": "TRAINER",
+               "PADDLE_TRAINER_ENDPOINTS": "127.0.0.1:7001,127.0.0.1:7002"}  # fmt: skip
+        with pytest.warns(
+            fleetjax.StrategyWarning,
+            match=r"^PADDLE_TRAINER_ID=1, PADDLE_TRAINER_ENDPOINTS=127.0.0.1:7001,127.0.0.1:7002 "
+            "ignored: without PADDLE_PSERVERS_IP_PORT_LIST this process is one non-distributed "
+            r"parameter-server trainer \(index 0\), as in Paddle$",
+        ):
+            role = PaddleCloudRoleMaker(is_collective=False, environ=env)
+        assert (role._worker_index(), role._worker_num(), role.worker_endpoints) == (0, 1, [])
+        assert role._is_non_distributed() and not role.is_distributed
+
+    def test_repeated_server_endpoints_are_accepted_with_a_warning_as_in_paddle(self):
+        """Paddle's test_fleet_rolemaker_new gives two servers one endpoint."""
+        repeated = ["127.0.0.1:36001", "127.0.0.1:36001"]
+        message = (
+            r"^UserDefinedRoleMaker\(is_collective=False\): server_endpoints: server endpoints "
+            r"repeat \(127.0.0.1:36001\); accepted, as in Paddle, where those servers would "
+            "collide on the port. fleetjax's servers hold no tables and bind nothing, so here it "
+            "is harmless$"
+        )
+        with pytest.warns(fleetjax.StrategyWarning, match=message) as record:
+            for current_id in (0, 1):
+                role = UserDefinedRoleMaker(
+                    is_collective=False, server_endpoints=repeated, role=Role.SERVER,
+                    current_id=current_id, worker_num=2,
+                )  # fmt: skip
+                assert (role._is_server(), role._server_index()) == (True, current_id)
+                assert (role._server_num(), role._get_pserver_endpoints()) == (2, repeated)
+        assert len(record) == 1  # once
+        env = ps_env("PSERVER", PADDLE_PSERVERS_IP_PORT_LIST="127.0.0.1:6002,127.0.0.1:6002")
+        with pytest.warns(fleetjax.StrategyWarning, match="^PADDLE_PSERVERS_IP_PORT_LIST: server"):
+            role = PaddleCloudRoleMaker(is_collective=False, environ=env)
+        assert (role._server_index(), role._server_num()) == (0, 2)  # the first, as Paddle's
+
+    def test_worker_endpoints_stay_distinct(self):
+        servers = SERVERS.split(",")
+        with pytest.raises(ValueError, match="worker_endpoints: worker endpoints repeat"):
+            UserDefinedRoleMaker(
+                is_collective=False, server_endpoints=servers, current_id=0,
+                worker_endpoints=["127.0.0.1:7001", "127.0.0.1:7001"],
+            )  # fmt: skip
+        env = ps_env("TRAINER", PADDLE_TRAINER_ENDPOINTS="127.0.0.1:7001,127.0.0.1:7001")
+        with pytest.raises(ValueError, match="PADDLE_TRAINER_ENDPOINTS: worker endpoints repeat"):
+            PaddleCloudRoleMaker(is_collective=False, environ=env)
+
+    def test_trainers_without_endpoints_answer_and_fail_to_join(self, ps_fleet, monkeypatch):
+        """Paddle's role maker needs no trainer endpoints (test_fleet_rolemaker); joining
+        several trainers does, so fleet.init names them."""
+        monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
+        env = ps_env("TRAINER", PADDLE_TRAINER_ENDPOINTS="")
+        role = PaddleCloudRoleMaker(is_collective=False, environ=env)
+        assert (role._is_worker(), role._worker_index(), role._worker_num()) == (True, 1, 2)
+        fleet = ps_fleet(env)
+        with pytest.raises(
+            ValueError,
+            match=r"^2 parameter-server trainers join as one SPMD job .* set "
+            "PADDLE_TRAINER_ENDPOINTS .* or JAX_COORDINATOR_ADDRESS$",
+        ):
+            fleet.init(is_collective=False)
+
     @pytest.mark.parametrize(
         "env, message",
         [
@@ -63,6 +141,7 @@ class TestRoleMakers:
             ({"PADDLE_PORT": "6003"}, "this server's POD_IP:PADDLE_PORT, 127.0.0.1:6003, is not "
              "in PADDLE_PSERVERS_IP_PORT_LIST"),
             ({"POD_IP": None}, "Can not find POD_IP, please check your environment."),
+            ({"POD_IP": None, "PADDLE_PORT": None}, "Can not find PADDLE_PORT"),  # Paddle's order
             ({"TRAINING_ROLE": "HETER_TRAINER"}, "TRAINING_ROLE must be PSERVER or TRAINER"),
             ({"TRAINING_ROLE": None}, "Can not find TRAINING_ROLE"),
             ({"PADDLE_TRAINERS_NUM": None}, "Can not find PADDLE_TRAINERS_NUM"),
@@ -77,10 +156,9 @@ class TestRoleMakers:
     @pytest.mark.parametrize(
         "env, message",
         [
-            ({"PADDLE_TRAINER_ID": None}, "Can not find PADDLE_TRAINER_ID"),
+            ({"PADDLE_TRAINER_ID": None, "POD_IP": None}, "Can not find PADDLE_TRAINER_ID"),
             ({"PADDLE_TRAINER_ID": "2"}, "trainer index 2 is outside 0..1 for 2 trainers"),
-            ({"PADDLE_TRAINER_ENDPOINTS": None}, "2 parameter-server trainers join as one SPMD "
-             "job .* set PADDLE_TRAINER_ENDPOINTS"),
+            ({"PADDLE_PORT": None, "POD_IP": None}, "Can not find PADDLE_PORT"),
             ({"PADDLE_TRAINER_ENDPOINTS": "127.0.0.1:7001"}, "lists 1 trainers, but there are 2"),
         ],
     )  # fmt: skip
@@ -177,28 +255,27 @@ class TestFleet:
 
     @pytest.mark.parametrize("call", ["init_worker", "init_server", "run_server", "stop_worker"])
     def test_collective_mode_has_no_parameter_server_runtime(self, ps_fleet, call):
-        fleet = ps_fleet({})
+        fleet = ps_fleet({"PADDLE_TRAINER_ENDPOINTS": "127.0.0.1:7001"})
         fleet.init()
         with pytest.raises(ValueError, match="Fleet can not find suitable runtime handler"):
             getattr(fleet, call)()
+
+    @pytest.mark.parametrize(
+        "call, args",
+        [("init_worker", ()), ("init_server", ()), ("run_server", ()), ("stop_worker", ()),
+         ("save", ("/nonexistent/x",)), ("load_model", ("/nonexistent/x", 0))],
+    )  # fmt: skip
+    def test_a_process_alone_warns_in_either_mode_as_paddle(self, ps_fleet, call, args):
+        """Paddle checks `_is_non_distributed()` before the mode (its decorators' order)."""
+        fleet = ps_fleet({})
+        fleet.init()
+        with pytest.warns(UserWarning, match=rf"^{call}\(\) function doesn't work when use "):
+            assert getattr(fleet, call)(*args) is None
 
 
 def test_the_fleets_trainer_trains_an_nnx_models_tables_by_their_rows(ps_fleet):
     """fleet.distributed_model + fleet.minimize on a model with a SparseEmbedding: the same
     states as the functional step on the model's parameters."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
-
-    class Model(nnx.Module):
-        def __init__(self, rngs):
-            self.emb = fleetjax.layers.SparseEmbedding(64, 4, table_name="emb", rngs=rngs)
-            self.out = nnx.Linear(4, 1, rngs=rngs)
-
-        def __call__(self, ids):
-            return self.out(self.emb(ids).sum(1))[:, 0]
-
     rng = np.random.RandomState(0)
     batches = [
         {"ids": rng.randint(0, 64, (32, 3)).astype(np.int32), "y": rng.randn(32).astype("f4")}
@@ -206,14 +283,14 @@ def test_the_fleets_trainer_trains_an_nnx_models_tables_by_their_rows(ps_fleet):
     ]
     fleet = ps_fleet({})
     fleet.init(is_collective=False)
-    model = fleet.distributed_model(Model(nnx.Rngs(0)))
+    model = fleet.distributed_model(TableModel(nnx.Rngs(0)))
     fleet.distributed_optimizer(fleetjax.optimizers.adam(0.01))
     losses = [
         float(fleet.minimize(lambda m, b: jnp.mean((m(b["ids"]) - b["y"]) ** 2), b))
         for b in batches
     ]
 
-    graphdef, params = nnx.split(Model(nnx.Rngs(0)))
+    graphdef, params = nnx.split(TableModel(nnx.Rngs(0)))
 
     def loss(p, b):
         return jnp.mean((nnx.merge(graphdef, p)(b["ids"]) - b["y"]) ** 2)
@@ -227,6 +304,39 @@ def test_the_fleets_trainer_trains_an_nnx_models_tables_by_their_rows(ps_fleet):
     np.testing.assert_allclose(model.emb.weight[...], state.params["emb"]["weight"][...], rtol=1e-6)
     assert isinstance(model.emb.weight, fleetjax.layers.SparseTable)
     assert jax.tree.leaves(fleet.trainer.state.opt_state.slots)  # the tables' rule slots
+
+
+def test_save_and_load_model_on_a_trainer(ps_fleet, tmp_path):
+    """Paddle's `fleet.fleet.save(dirname)` and `fleet.load_model(path, mode)` (Paddle's
+    test_fleet_base_2): the trainer goes on from the saved state, tables included; with
+    `feed` and `fetch`, `save` exports the trained model."""
+
+    def loss(m, b):
+        return jnp.mean((m(b["ids"]) - b["y"]) ** 2)
+
+    rng = np.random.RandomState(0)
+    batch = {"ids": rng.randint(0, 64, (32, 3)).astype(np.int32), "y": rng.randn(32).astype("f4")}
+    fleet = ps_fleet(ps_env("TRAINER", PADDLE_TRAINERS_NUM="1", PADDLE_TRAINER_ID="0",
+                            PADDLE_TRAINER_ENDPOINTS="127.0.0.1:7001"))  # fmt: skip
+    fleet.init(is_collective=False)
+    model = fleet.distributed_model(TableModel(nnx.Rngs(0)))
+    fleet.distributed_optimizer(fleetjax.optimizers.adam(0.01))
+    fleet.minimize(loss, batch)
+    fleet.save(str(tmp_path / "state"))
+    saved = np.asarray(model.emb.weight[...])
+    after = float(fleet.minimize(loss, batch)), np.asarray(model.emb.weight[...])
+    assert not np.allclose(after[1], saved)
+    with pytest.warns(fleetjax.StrategyWarning, match=r"fleet.load_model\(mode=1\): Paddle's"):
+        fleet.load_model(str(tmp_path / "state"), mode=1)
+    np.testing.assert_array_equal(model.emb.weight[...], saved)
+    assert float(fleet.minimize(loss, batch)) == after[0]  # the step after the save, again
+    np.testing.assert_array_equal(model.emb.weight[...], after[1])
+
+    fleet.save(str(tmp_path / "model"), feed=["ids"], fetch=[lambda m, f: m(f["ids"])])
+    exported = fleet.load_inference_model(str(tmp_path / "model"))
+    np.testing.assert_allclose(exported(batch["ids"])[0], model(batch["ids"]), rtol=1e-6)
+    with pytest.raises(TypeError, match=r"unknown configs \['modes'\]; Paddle's is mode"):
+        fleet.save(str(tmp_path / "state"), modes=1)
 
 
 # -- a parameter-server job through fleetjax-run ------------------------------------------------

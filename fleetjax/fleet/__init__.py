@@ -48,6 +48,7 @@ save_persistables = fleet.save_persistables
 load_persistables = fleet.load_persistables
 save_inference_model = fleet.save_inference_model
 load_inference_model = fleet.load_inference_model
+load_model = fleet.load_model
 init_worker = fleet.init_worker
 init_server = fleet.init_server
 run_server = fleet.run_server

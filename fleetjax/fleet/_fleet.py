@@ -20,7 +20,7 @@ from fleetjax._warnings import warn_once
 from fleetjax.distributed_model import distributed_model
 from fleetjax.distributed_optimizer import DistributedOptimizer, distributed_optimizer
 from fleetjax.fleet._join import default_role_maker, join_processes
-from fleetjax.fleet._ps import runtime_call
+from fleetjax.fleet._ps import non_distributed, runtime_call
 from fleetjax.fleet._trainer import Trainer, learning_rate
 from fleetjax.fleet.base.role_maker import PaddleCloudRoleMaker, Role, RoleMakerBase
 from fleetjax.fleet.base.util_factory import UtilBase
@@ -31,6 +31,10 @@ from fleetjax.strategy import DistributedStrategy, Strategy
 logger = logging.getLogger("fleetjax")
 
 
+_WHOLE_STATE = (
+    "fleet.{}(mode={}): Paddle's modes choose among its parameter-server table formats; "
+    "fleetjax's tables are arrays in the training state, which is saved and loaded whole"
+)
 _NO_EXECUTOR = (
     "{}= has no meaning in JAX: there is no executor or program; fleet.{} works on the fleet's "
     "Trainer (the model of distributed_model, trained by minimize / backward)"
@@ -522,6 +526,46 @@ class Fleet:
             return [target(model, feeds) for target in targets]
 
         export.save_inference_model(dirname, outputs, params, example_inputs)
+
+    def save(
+        self,
+        dirname: str | os.PathLike[str],
+        feed: Sequence[str] = (),
+        fetch: Sequence[Callable[..., Any]] = (),
+        **configs: Any,
+    ) -> None:
+        """Paddle's `fleet.save`: with `feed` or `fetch`, the fleet's trained model as an
+        inference model (`save_inference_model(None, dirname, feed, fetch)`: `feed` names
+        batch entries, `fetch` are functions `target(model, feeds)`); without, its training
+        state (`save_persistables(None, dirname)`). In a process alone it warns and saves
+        nothing, as Paddle's does. `mode` (Paddle's configs: 0 the whole tables, 1 their
+        changed rows, 2 a base model) warns unless 0: the whole state is saved.
+        """
+        if non_distributed(self._checked_role(), "save", stacklevel=3):
+            return
+        unknown = set(configs) - {"mode"}
+        if unknown:
+            raise TypeError(f"fleet.save got unknown configs {sorted(unknown)}; Paddle's is mode")
+        if configs.get("mode", 0) != 0:
+            warn_once(_WHOLE_STATE.format("save", configs["mode"]))
+        if feed or fetch:
+            self._save_trained_model(None, dirname, feed, fetch)
+        else:
+            self.save_persistables(None, dirname)
+
+    def load_model(self, path: str | os.PathLike[str], mode: int) -> None:
+        """Paddle's `fleet.load_model`: the fleet's Trainer goes on from the training state that
+        `fleet.save(path)` (or `save_persistables`) saved. In a process alone it warns and loads
+        nothing, as Paddle's does. `mode` (Paddle's 0 checkpoint, 3 batch model, 1 and 2 its
+        inference formats) warns unless 0: the whole state loads.
+        """
+        if non_distributed(self._checked_role(), "load_model", stacklevel=3):
+            return
+        if mode != 0:
+            warn_once(_WHOLE_STATE.format("load_model", mode))
+        trainer = self._trained("load_model(path, mode)")
+        trainer.state = checkpoint.load_persistables(path, trainer.state)
+        trainer._sync_model()
 
     def _trained(self, call: str) -> Trainer:
         if self._trainer is None:

@@ -155,6 +155,8 @@ def join_processes(role: RoleMakerBase) -> None:
 
     Raises:
       RuntimeError: if JAX already joined another number of processes, or joining failed.
+      ValueError: if no coordinator is known: parameter-server trainers whose endpoints are
+        not listed (Paddle's role makers do not need them; the join does).
     """
     if jax.distributed.is_initialized():
         if jax.process_count() != role.worker_num:
@@ -164,6 +166,13 @@ def join_processes(role: RoleMakerBase) -> None:
             )
         exit_on_uncaught_exception()
         return
+    if not (os.environ.get("JAX_COORDINATOR_ADDRESS") or role.worker_endpoints):
+        raise ValueError(
+            f"{role.worker_num} parameter-server trainers join as one SPMD job (the tables live "
+            "sharded over their devices), which needs the trainers' endpoints: set "
+            "PADDLE_TRAINER_ENDPOINTS (fleetrun and fleetjax-run do; UserDefinedRoleMaker's "
+            "worker_endpoints) or JAX_COORDINATOR_ADDRESS"
+        )
     coordinator = os.environ.get("JAX_COORDINATOR_ADDRESS") or role.worker_endpoints[0]
     bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or coordinator
     try:

@@ -41,24 +41,33 @@ class ParameterServerCallError(NotImplementedError, ValueError):
     suitable runtime handler"), also a NotImplementedError."""
 
 
+def non_distributed(role: RoleMakerBase, name: str, stacklevel: int = 4) -> bool:
+    """Paddle's `is_non_distributed_check`: whether this process is alone (no launcher
+    described a job), in which case Paddle's runtime and saving call `name` warns and does
+    nothing, in either mode."""
+    if not getattr(role, "_is_non_distributed", lambda: False)():
+        return False
+    message = f"{name}() function doesn't work when use non_distributed fleet."
+    warnings.warn(message, stacklevel=stacklevel)
+    return True
+
+
 def runtime_call(role: RoleMakerBase, name: str, has_args: bool = False) -> None:
-    """Paddle's parameter-server call `name` for this process's `role`: one log line.
+    """Paddle's parameter-server call `name` for this process's `role`: one log line (a warning
+    for a process alone, as in Paddle).
 
     Raises:
       ParameterServerCallError: in collective mode, as Paddle (no runtime handler).
       ValueError: for a trainer's call on a server or a server's call on a trainer.
     """
+    if non_distributed(role, name):
+        return
     if role.is_collective:
         raise ParameterServerCallError(
             f"{name}() is a parameter-server call, but the fleet is in collective mode: Fleet "
             "can not find suitable runtime handler (fleet.init(is_collective=False) starts "
             "parameter-server mode)"
         )
-    if getattr(role, "_is_non_distributed", lambda: False)():
-        warnings.warn(
-            f"{name}() function doesn't work when use non_distributed fleet.", stacklevel=3
-        )
-        return
     expected, what = _CALLS[name]
     if role.role != expected:
         wanted, this = ("trainer", "server") if expected == Role.WORKER else ("server", "trainer")

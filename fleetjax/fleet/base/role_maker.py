@@ -325,12 +325,20 @@ def _checked_index(index: Any, count: int, what: str, source: str, among: str) -
 
 
 def _endpoints(text_or_list: str | Sequence[str] | None, what: str, source: str) -> list[str]:
-    """Distinct host:port endpoints of `what` ("worker", "server") from a comma-separated
-    string or a list."""
+    """The host:port endpoints of `what` ("worker", "server") from a comma-separated string or
+    a list. Workers' must be distinct (each is a process that joins the job); servers' may
+    repeat, as in Paddle, with a warning."""
     items = text_or_list.split(",") if isinstance(text_or_list, str) else text_or_list or []
     endpoints = [_parse_endpoint(e, source) for e in items if e.strip()]
-    if len(set(endpoints)) != len(endpoints):
+    repeated = sorted({e for e in endpoints if endpoints.count(e) > 1})
+    if repeated and what != "server":
         raise ValueError(f"{source}: {what} endpoints repeat: {endpoints}")
+    if repeated:
+        warn_once(
+            f"{source}: server endpoints repeat ({', '.join(repeated)}); accepted, as in Paddle, "
+            "where those servers would collide on the port. fleetjax's servers hold no tables "
+            "and bind nothing, so here it is harmless"
+        )
     return endpoints
 
 
@@ -412,15 +420,10 @@ class PaddleCloudRoleMaker(_EndpointRoleMaker):
         self._local_rank = env.get("PADDLE_RANK_IN_NODE")
         self._local_device_ids = env.get("PADDLE_LOCAL_DEVICE_IDS")
         self._world_device_ids = env.get("PADDLE_WORLD_DEVICE_IDS")
-        if not _check_mode(is_collective) and "PADDLE_PSERVERS_IP_PORT_LIST" in env:
+        if not _check_mode(is_collective):
             self._parameter_server(*_ps_role(env))
+            self._non_distributed = "PADDLE_PSERVERS_IP_PORT_LIST" not in env
             return
-        if not is_collective and env.get("TRAINING_ROLE") == "PSERVER":
-            raise ValueError(
-                "TRAINING_ROLE=PSERVER but PADDLE_PSERVERS_IP_PORT_LIST is not set: a "
-                "parameter server needs every server's ip:port (Paddle would run this process "
-                "as a lone trainer)"
-            )
         worker_index = _integer(env, "PADDLE_TRAINER_ID", "0")
         source = "PADDLE_TRAINER_ENDPOINTS"
         endpoints = _endpoints(env.get(source, ""), "worker", source)
@@ -462,25 +465,29 @@ def _integer(env: Mapping[str, str], name: str, default: str | None = None) -> i
 
 def _ps_role(env: Mapping[str, str]) -> tuple[Role, int, int, list[str], list[str], str]:
     """Paddle's parameter-server role (`PaddleCloudRoleMaker._ps_env`): (role, current_id,
-    trainer count, server endpoints, trainer endpoints, this process's endpoint)."""
+    trainer count, server endpoints, trainer endpoints, this process's endpoint), reading the
+    variables in Paddle's order, so that the first one missing is the one Paddle names."""
     source = "PADDLE_PSERVERS_IP_PORT_LIST"
+    if source not in env:
+        return _lone_trainer(env)
     servers = _endpoints(env[source], "server", source)
     if not servers:
         raise ValueError("PADDLE_PSERVERS_IP_PORT_LIST is empty: list the servers' ip:port")
-    trainers = _integer(env, "PADDLE_TRAINERS_NUM")
-    if trainers < 1:
-        raise ValueError(f"PADDLE_TRAINERS_NUM must be at least 1, got {trainers}")
     workers = _endpoints(
         env.get("PADDLE_TRAINER_ENDPOINTS", ""), "worker", "PADDLE_TRAINER_ENDPOINTS"
     )
+    trainers = _integer(env, "PADDLE_TRAINERS_NUM")
+    if trainers < 1:
+        raise ValueError(f"PADDLE_TRAINERS_NUM must be at least 1, got {trainers}")
     training_role = _required(env, "TRAINING_ROLE")
     if training_role not in ("TRAINER", "PSERVER"):
         raise ValueError(
             f"TRAINING_ROLE must be PSERVER or TRAINER, but get {training_role}, please check "
             "your environment (heterogeneous trainers and coordinators are not in fleetjax)"
         )
-    here = f"{_required(env, 'POD_IP')}:{_required(env, 'PADDLE_PORT')}"
-    endpoint = _parse_endpoint(here, "POD_IP:PADDLE_PORT")
+    trainer_id = _integer(env, "PADDLE_TRAINER_ID") if training_role == "TRAINER" else 0
+    port = _required(env, "PADDLE_PORT")
+    endpoint = _parse_endpoint(f"{_required(env, 'POD_IP')}:{port}", "POD_IP:PADDLE_PORT")
     if training_role == "PSERVER":
         if endpoint not in servers:
             raise ValueError(
@@ -488,24 +495,37 @@ def _ps_role(env: Mapping[str, str]) -> tuple[Role, int, int, list[str], list[st
                 f"PADDLE_PSERVERS_IP_PORT_LIST ({','.join(servers)})"
             )
         return Role.SERVER, servers.index(endpoint), trainers, servers, workers, endpoint
-    trainer_id = _integer(env, "PADDLE_TRAINER_ID")
     index = _checked_index(trainer_id, trainers, "trainer", "PADDLE_TRAINER_ID", "trainers")
-    _check_trainer_endpoints(workers, trainers, "PADDLE_TRAINER_ENDPOINTS", env)
+    _check_trainer_endpoints(workers, trainers, "PADDLE_TRAINER_ENDPOINTS")
     return Role.WORKER, index, trainers, servers, workers, endpoint
 
 
-def _check_trainer_endpoints(
-    workers: list[str], trainers: int, source: str, env: Mapping[str, str]
-) -> None:
-    """Several trainers join as one SPMD job, at the first trainer's endpoint."""
+def _lone_trainer(env: Mapping[str, str]) -> tuple[Role, int, int, list[str], list[str], str]:
+    """Paddle's parameter-server role without `PADDLE_PSERVERS_IP_PORT_LIST`: one
+    non-distributed trainer, whatever the trainer variables say."""
+    if env.get("TRAINING_ROLE") == "PSERVER":
+        raise ValueError(
+            "TRAINING_ROLE=PSERVER but PADDLE_PSERVERS_IP_PORT_LIST is not set: a "
+            "parameter server needs every server's ip:port (Paddle would run this process "
+            "as a lone trainer)"
+        )
+    lone = {"PADDLE_TRAINER_ID": "0", "PADDLE_TRAINERS_NUM": "1", "PADDLE_TRAINER_ENDPOINTS": ""}
+    ignored = [
+        f"{name}={env[name]}" for name, value in lone.items() if env.get(name, value) != value
+    ]
+    if ignored:
+        warn_once(
+            f"{', '.join(ignored)} ignored: without PADDLE_PSERVERS_IP_PORT_LIST this process "
+            "is one non-distributed parameter-server trainer (index 0), as in Paddle"
+        )
+    return Role.WORKER, 0, 1, [], [], ""
+
+
+def _check_trainer_endpoints(workers: list[str], trainers: int, source: str) -> None:
+    """The trainers' endpoints, if listed (Paddle reads them only to join the trainers, which
+    `fleet.init` does at the first one), are one per trainer."""
     if workers and len(workers) != trainers:
         raise ValueError(f"{source} lists {len(workers)} trainers, but there are {trainers}")
-    if trainers > 1 and not workers and not env.get("JAX_COORDINATOR_ADDRESS"):
-        raise ValueError(
-            f"{trainers} parameter-server trainers join as one SPMD job (the tables live "
-            f"sharded over their devices), which needs the trainers' endpoints: set {source} "
-            "(fleetrun and fleetjax-run do) or JAX_COORDINATOR_ADDRESS"
-        )
 
 
 def _check_trainers_num(trainers: str | None, endpoints: list[str]) -> None:
@@ -580,7 +600,7 @@ def _user_ps_role(
     if role != Role.WORKER:
         raise ValueError(f"{source}: role must be Role.WORKER or Role.SERVER, got {role!r}")
     index = _checked_index(current_id, trainers, "trainer", source, "trainers")
-    _check_trainer_endpoints(workers, trainers, f"{source}: worker_endpoints", os.environ)
+    _check_trainer_endpoints(workers, trainers, f"{source}: worker_endpoints")
     return role, index, trainers, servers, workers, workers[index] if workers else ""
 
 

@@ -25,7 +25,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from fleetjax.layers import is_table, logical_to_spec
-from fleetjax.layers.sparse_embedding import TABLE_ROWS, TouchedRows, lookup_scope
+from fleetjax.layers.sparse_embedding import TABLE_ROWS, TouchedRows, lookup_scope, on_host
 from fleetjax.mesh import data_axes, spec_axes
 from fleetjax.plan import Plan, SparseTableConfig
 from fleetjax.transforms import sparse_rows
@@ -151,6 +151,20 @@ def _check_combinations(plan: Plan) -> None:
         raise ValueError(f"sparse tables do not combine with {clash}")
 
 
+def _check_host_tables(plan: Plan, found: Mapping[str, Any]) -> None:
+    """Geo-SGD keeps a whole copy of every table on each replica and exchanges it by gathers:
+    host memory cannot hold that plan."""
+    host = sorted(name for name, table in found.items() if on_host(table))
+    k_steps = plan.parameter_server.geo_k_steps
+    if host and k_steps:
+        raise ValueError(
+            f"sparse table {host[0]!r} has memory_kind='pinned_host', which does not combine "
+            f"with Geo-SGD (a_sync=True, a_sync_configs.k_steps={k_steps}): each replica "
+            "keeps and exchanges a whole copy of the table; use memory_kind='device', or the "
+            "synchronous step (a_sync=False)"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class Tables:
     """The sparse tables of a step: each one's rule, where their rows live, Geo-SGD's interval.
@@ -187,6 +201,7 @@ class Tables:
         if not found:
             return None
         _check_combinations(plan)
+        _check_host_tables(plan, found)
         rules = {name: _rule(server.table(name), t.shape[1]) for name, t in found.items()}
         geo = server.geo_k_steps
         axes = () if geo else spec_axes(logical_to_spec((TABLE_ROWS, None), mesh=mesh))

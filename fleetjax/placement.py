@@ -11,7 +11,8 @@ runs, so it works for meshes of compile-only devices too):
   host memory under `optimize_offload`;
 * model state (batch-norm statistics): by `state_specs` or logical axis names;
 * sparse tables (`fleetjax.layers.SparseTable`): rows split over every device, their rule's
-  slots likewise (in a `TablesState`), their gradients (the touched rows) whole;
+  slots likewise (in a `TablesState`), both in pinned host memory for a table made with
+  ``memory_kind="pinned_host"``; their gradients (the touched rows) whole;
 * under DGC and LocalSGD (per-replica optimizers) the optimizer state, and under LocalSGD
   the parameters, are stacked on a leading replica axis split over the data axes; each
   replica's gradient is its own, so the gradients have no placement.
@@ -32,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from fleetjax._tables import TablesState, slot_specs
 from fleetjax._warnings import warn_once
 from fleetjax.layers import is_table, partition_specs
+from fleetjax.layers.sparse_embedding import on_host
 from fleetjax.mesh import (
     ZERO_MIN_ELEMENTS,
     batch_sharding,
@@ -43,7 +45,7 @@ from fleetjax.mesh import (
 from fleetjax.plan import Plan
 from fleetjax.train_state import TrainState
 from fleetjax.transforms.pipeline import PipelineParams
-from fleetjax.transforms.sparse_rows import without_tables
+from fleetjax.transforms.sparse_rows import tables, without_tables
 
 __all__ = ["Placement", "model_state_shardings", "param_shardings", "place"]
 
@@ -57,11 +59,14 @@ class Placement:
       grads: the reduced gradients' shardings, like the parameters; None under per-replica
         optimizers (DGC, LocalSGD), where each replica keeps its own full gradient.
       batch: the batch's sharding (every leaf split on its leading dimension).
+      opt_state_in_update: where the update reads the optimizer state: as `opt_state`, but an
+        offloaded state (`optimize_offload`) in device memory (host tables' slots stay).
     """
 
     state: TrainState
     grads: Any | None
     batch: NamedSharding
+    opt_state_in_update: Any = None
 
     @property
     def params(self) -> Any:
@@ -75,6 +80,16 @@ class Placement:
     def model_state(self) -> Any:
         return self.state.model_state
 
+    def shapes(self, state: Any) -> Any:
+        """`state`'s shapes and dtypes as `jax.ShapeDtypeStruct`s with its shardings: what the
+        step is lowered for (a table in host memory traces as one)."""
+
+        def placed(sharding: NamedSharding, part: Any) -> Any:
+            shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)  # noqa: E731
+            return jax.tree.map(shape, part)
+
+        return jax.tree.map(placed, self.state, state)
+
 
 def _is_spec(x: Any) -> bool:
     return isinstance(x, PartitionSpec)
@@ -84,6 +99,33 @@ def _shardings(mesh: Mesh, specs: Any, memory_kind: str = "device") -> Any:
     return jax.tree.map(
         lambda spec: NamedSharding(mesh, spec, memory_kind=memory_kind), specs, is_leaf=_is_spec
     )
+
+
+def _pinned(sharding: NamedSharding) -> NamedSharding:
+    """`sharding` in pinned host memory. Compile-only devices have no memory spaces, so their
+    shardings drop the kind; one on the mesh's abstract mesh keeps it, and a step lowered for
+    them (under `jax.set_mesh`) keeps the array in host memory as XLA does for real devices."""
+    host = sharding.with_memory_kind("pinned_host")
+    if host.memory_kind == "pinned_host":
+        return host
+    return NamedSharding(sharding.mesh.abstract_mesh, sharding.spec, memory_kind="pinned_host")
+
+
+def _host_tables(params: Any, params_at: Any, opt_at: Any = None) -> tuple[Any, Any]:
+    """`params_at` and `opt_at` (shardings) with the rows and the slots of the tables made with
+    ``memory_kind="pinned_host"`` in pinned host memory."""
+
+    def rows(at: Any, p: Any) -> Any:
+        if not (is_table(p) and on_host(p)):
+            return at
+        return at.replace(_pinned(at.get_value())) if is_table(at) else _pinned(at)
+
+    params_at = jax.tree.map(rows, params_at, params, is_leaf=is_table)
+    if isinstance(opt_at, TablesState):
+        host = {name for name, table in tables(params).items() if on_host(table)}
+        pinned = lambda name, at: jax.tree.map(_pinned, at) if name in host else at  # noqa: E731
+        opt_at = opt_at._replace(slots={n: pinned(n, at) for n, at in opt_at.slots.items()})
+    return params_at, opt_at
 
 
 def _tensor_specs(plan: Plan, mesh: Mesh, params: Any, param_specs: Any) -> Any:
@@ -149,7 +191,7 @@ def param_shardings(plan: Plan, mesh: Mesh, params: Any, param_specs: Any = None
     specs = _tensor_specs(plan, mesh, params, param_specs)
     if plan.sharding_stage == 3:
         specs = _zero_specs(plan, mesh, specs, params)
-    return _shardings(mesh, specs)
+    return _host_tables(params, _shardings(mesh, specs))[0]
 
 
 def model_state_shardings(
@@ -226,7 +268,7 @@ def place(
     if plan.per_replica:
         stacked = NamedSharding(mesh, PartitionSpec(data_axes(mesh)))
         params_at = jax.tree.map(lambda _: stacked if plan.replica_params else rep, params)
-        opt_at = jax.tree.map(lambda _: stacked, abstract_state.opt_state)
+        opt_at = in_update = jax.tree.map(lambda _: stacked, abstract_state.opt_state)
         grads = None
     else:
         specs = _tensor_specs(plan, mesh, params, param_specs)
@@ -234,8 +276,9 @@ def place(
         zero = _zero_specs(plan, mesh, specs, params)
         memory = "pinned_host" if plan.optimizer_offload else "device"
         opt_specs = _opt_specs(optimizer, abstract_state.opt_state, params, zero)
-        opt_at = _shardings(mesh, opt_specs, memory)
         params_at = _shardings(mesh, zero if plan.sharding_stage == 3 else specs)
+        in_update = _host_tables(params, params_at, _shardings(mesh, opt_specs))[1]
+        params_at, opt_at = _host_tables(params, params_at, _shardings(mesh, opt_specs, memory))
         grads = _shardings(mesh, _rows_whole(zero if plan.sharding_stage >= 2 else specs, params))
     state = TrainState(
         step=rep,
@@ -247,4 +290,4 @@ def place(
             mesh, abstract_state.model_state, state_specs, pipeline=plan.pipeline is not None
         ),
     )
-    return Placement(state, grads, batch_sharding(mesh))
+    return Placement(state, grads, batch_sharding(mesh), in_update)

@@ -148,8 +148,7 @@ class TrainStep:
             grads = constrain(grads, placement.grads)
         opt_state = state.opt_state
         if self.plan.optimizer_offload:  # fetched from pinned host memory for the update
-            on_device = jax.tree.map(lambda s: s.with_memory_kind("device"), placement.opt_state)
-            opt_state = jax.device_put(opt_state, on_device)
+            opt_state = jax.device_put(opt_state, placement.opt_state_in_update)
         optimizer = optax.with_extra_args_support(self.optimizer)
 
         def apply(grads: Any) -> tuple[Any, Any]:
@@ -265,7 +264,7 @@ class TrainStep:
         shapes are used; nothing runs)."""
         abstract = abstract_batch(self._checked(batch), self.batch_sharding)
         with jax.set_mesh(self.mesh):
-            return self.compiled(state).lower(state, abstract)
+            return self.compiled(state).lower(self.placement.shapes(state), abstract)
 
     def shard_batch(self, batch: Any) -> Any:
         """`batch` as global arrays split over the data axes, resharded if need be: host

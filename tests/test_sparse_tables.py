@@ -2,6 +2,7 @@
 dense embedding and numpy references of Paddle's rules, the strategy switches they compose with,
 Geo-SGD, what XLA compiled, memory, and bad input."""
 
+import re
 import warnings
 
 import jax
@@ -13,6 +14,7 @@ from flax import nnx
 from hlo import collectives
 
 import fleetjax
+from fleetjax import targets
 from fleetjax.layers import SparseEmbedding, lookup, sparse_table
 
 V, D, ROWS, SLOTS = 64, 4, 32, 3
@@ -54,14 +56,14 @@ def strategy(rule="SparseNaiveSGDRule", **fields):
     return s
 
 
-def params():
+def params(memory_kind="device"):
     table, w = start()
-    return {"emb": sparse_table(table, table_name="emb"), "w": w}
+    return {"emb": sparse_table(table, table_name="emb", memory_kind=memory_kind), "w": w}
 
 
-def train(s, batches, tx=None):
+def train(s, batches, tx=None, memory_kind="device"):
     step = fleetjax.make_train_step(loss_fn, tx or optax.sgd(LR), s)
-    state, losses = step.init(params()), []
+    state, losses = step.init(params(memory_kind)), []
     for b in batches:
         state, metrics = step(state, b)
         losses.append(float(metrics["loss"]))
@@ -353,12 +355,12 @@ class TestComposition:
 # -- what XLA compiled, and memory -------------------------------------------------------------
 
 
-def abstract_step(rows, dim, s=None):
-    step = fleetjax.make_train_step(loss_fn, optax.sgd(LR), s)
+def abstract_step(rows, dim, s=None, mesh=None, memory_kind="device"):
+    step = fleetjax.make_train_step(loss_fn, optax.sgd(LR), s, mesh)
     table = jax.ShapeDtypeStruct((rows, dim), jnp.float32)
     state = step.abstract_init(
         {
-            "emb": sparse_table(table, table_name="emb"),
+            "emb": sparse_table(table, table_name="emb", memory_kind=memory_kind),
             "w": jax.ShapeDtypeStruct((dim,), jnp.float32),
         }
     )
@@ -390,6 +392,65 @@ def test_a_ten_million_row_table_takes_an_eighth_per_device():
     memory = abstract_step(rows, dim).memory_analysis()
     expected = (rows * dim * 4 + 2 * rows * 4) / 8
     assert memory.argument_size_in_bytes == pytest.approx(expected, rel=0.05)
+
+
+# -- tables in pinned host memory ----------------------------------------------------------------
+
+
+class TestHostTables:
+    @pytest.mark.parametrize("rule", ["SparseNaiveSGDRule", "SparseAdaGradSGDRule"])
+    def test_a_host_table_trains_as_the_device_table(self, rule):
+        _, on_device, device_losses = train(strategy(rule), BATCHES)
+        _, on_host, losses = train(strategy(rule), BATCHES, memory_kind="pinned_host")
+        np.testing.assert_allclose(losses, device_losses, rtol=1e-6)
+        np.testing.assert_allclose(on_host.params["emb"][...], on_device.params["emb"][...])
+        np.testing.assert_allclose(on_host.params["w"], on_device.params["w"], rtol=1e-6)
+        jax.tree.map(np.testing.assert_allclose, on_host.opt_state.slots, on_device.opt_state.slots)
+        kinds = lambda tree: {x.sharding.memory_kind for x in jax.tree.leaves(tree)}  # noqa: E731
+        assert kinds([on_host.params["emb"], on_host.opt_state.slots]) == {"pinned_host"}
+        assert kinds(on_host.params["w"]) == {"device"}
+
+    @pytest.mark.skipif(
+        not targets.plugin_installed(),
+        reason="jax's CUDA plugin is not installed: pip install 'fleetjax[aot]'",
+    )
+    def test_compiled_for_h100s_only_the_touched_rows_reach_the_devices(self):
+        """A 10^7 x 64 float32 host table over 8 compile-only H100s: XLA:GPU keeps each
+        device's eighth of the table and of the Adagrad slots in host memory (S(5)), the
+        device's arguments are a few scalars, and no buffer of an eighth's rows (or more) is
+        in device memory: the rows move one at a time (dynamic slices of host memory)."""
+        rows, dim = 10**7, 64
+        compiled = abstract_step(
+            rows, dim, strategy("SparseAdaGradSGDRule"), targets.mesh("h100", 8), "pinned_host"
+        )
+        memory = compiled.memory_analysis()
+        expected = (rows * dim * 4 + 2 * rows * 4) / 8
+        assert memory.host_argument_size_in_bytes == pytest.approx(expected, rel=0.05)
+        assert memory.host_alias_size_in_bytes == memory.host_argument_size_in_bytes  # in place
+        assert memory.argument_size_in_bytes < 1024 and memory.temp_size_in_bytes < 2**20
+        shapes = re.findall(r"\b[a-z]+\d*\[(\d+)(?:,\d+)*\]\{([^}]*)\}", compiled.as_text())
+        large = {layout for first, layout in shapes if int(first) >= rows // 8}
+        assert large and all(layout.endswith(":S(5)") for layout in large)
+
+    def test_geo_sgd_is_refused(self):
+        s = strategy()
+        s.a_sync = True
+        s.a_sync_configs = {"k_steps": 2}
+        step = fleetjax.make_train_step(loss_fn, optax.sgd(LR), s)
+        with pytest.raises(
+            ValueError,
+            match=r"sparse table 'emb' has memory_kind='pinned_host', which does not combine "
+            r"with Geo-SGD \(a_sync=True, a_sync_configs.k_steps=2\)",
+        ):
+            step.init(params("pinned_host"))
+
+    def test_an_unknown_memory_kind(self):
+        with pytest.raises(
+            ValueError,
+            match=r"sparse table 'emb': memory_kind='unpinned_host'; a table's rows live in one "
+            r"of \('device', 'pinned_host'\)",
+        ):
+            SparseEmbedding(V, D, table_name="emb", memory_kind="unpinned_host", rngs=nnx.Rngs(0))
 
 
 # -- bad input -----------------------------------------------------------------------------------

@@ -12,6 +12,10 @@ Outside a train step a lookup is a plain gather. Inside one the step has already
 the batch's ids and fetched their rows from the devices that own them (`lookup_scope`): the
 lookup then reads those rows, and the gradient it leaves is one row per distinct id.
 
+With ``memory_kind="pinned_host"`` the table's rows (and its rule's slots) live in the devices'
+pinned host memory, still split by rows over every device, for tables beyond device memory: a
+train step moves only the batch's rows to the devices and writes them back.
+
 Ids must be in ``[0, num_embeddings)`` (Paddle's tables are hash maps of any 64-bit id; hash
 yours into the range first). An id outside reads a zero row and trains nothing, and a train
 step counts such ids in its metrics (``"ids_outside/<table name>"``).
@@ -32,48 +36,66 @@ from flax import nnx
 from fleetjax.layers._params import check_sizes
 
 __all__ = [
+    "TABLE_MEMORY_KINDS",
     "TABLE_ROWS",
     "SparseEmbedding",
     "SparseTable",
     "TouchedRows",
     "is_table",
     "lookup",
+    "on_host",
     "lookup_scope",
     "sparse_table",
 ]
 
 TABLE_ROWS = "table_rows"  # the logical name of a table's row dimension
+TABLE_MEMORY_KINDS = ("device", "pinned_host")  # where a table's rows can live
 
 
 class SparseTable(nnx.Param):
     """A sparse embedding table: a parameter that trains by row updates.
 
     Metadata: ``table_name``, Paddle's table name, which `sparse_table_configs` are keyed by
-    (None: the train step names it by its path in the parameters). Make one with
-    `sparse_table`.
+    (None: the train step names it by its path in the parameters), and ``memory_kind``, where
+    a train step keeps its rows and slots (`TABLE_MEMORY_KINDS`). Make one with `sparse_table`.
     """
 
 
-def sparse_table(rows: jax.Array, *, table_name: str | None = None) -> SparseTable:
+def sparse_table(
+    rows: jax.Array, *, table_name: str | None = None, memory_kind: str = "device"
+) -> SparseTable:
     """`rows` ``[num_embeddings, embedding_dim]`` as a `SparseTable`, for a plain pytree of
-    parameters (`SparseEmbedding` makes its own)."""
+    parameters (`SparseEmbedding` makes its own). `memory_kind` is where a train step keeps
+    the rows and their slots: ``"device"``, or ``"pinned_host"`` for a table beyond the
+    devices' memory (`jax.sharding.NamedSharding`'s memory kinds)."""
     if jnp.ndim(rows) != 2:
         raise ValueError(
             f"a sparse table is [num_embeddings, embedding_dim], got shape {jnp.shape(rows)}"
         )
     if table_name is not None and not (isinstance(table_name, str) and table_name):
         raise ValueError(f"table_name must be a non-empty str or None, got {table_name!r}")
+    if memory_kind not in TABLE_MEMORY_KINDS:
+        raise ValueError(
+            f"sparse table {table_name!r}: memory_kind={memory_kind!r}; a table's rows live in "
+            f"one of {TABLE_MEMORY_KINDS}"
+        )
     return SparseTable(
         rows,
         out_sharding=(TABLE_ROWS, "embed"),
         eager_sharding=False,
         table_name=table_name,
+        memory_kind=memory_kind,
     )
 
 
 def is_table(x: Any) -> bool:
     """Whether `x` is a `SparseTable` (an `is_leaf` for `jax.tree` functions)."""
     return isinstance(x, SparseTable)
+
+
+def on_host(table: SparseTable) -> bool:
+    """Whether a train step keeps `table`'s rows in pinned host memory."""
+    return table.get_metadata().get("memory_kind") == "pinned_host"
 
 
 def _paddle_init(initial_range: float) -> nnx.Initializer:
@@ -102,18 +124,21 @@ class SparseEmbedding(nnx.Module):
         embedding_dim: int,
         *,
         table_name: str | None = None,
+        memory_kind: str = "device",
         initial_range: float = 1e-4,
         weight_init: nnx.Initializer | None = None,
         param_dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ) -> None:
-        """`initial_range` is Paddle's sparse rule `initial_range` (the default start is
-        Paddle's, see `_paddle_init`); `weight_init` replaces that start."""
+        """`memory_kind` is where a train step keeps the rows and their slots: ``"device"``,
+        or ``"pinned_host"`` for a table beyond the devices' memory (see `sparse_table`).
+        `initial_range` is Paddle's sparse rule `initial_range` (the default start is Paddle's,
+        see `_paddle_init`); `weight_init` replaces that start."""
         check_sizes(type(self).__name__, num_embeddings=num_embeddings, embedding_dim=embedding_dim)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         init = weight_init if weight_init is not None else _paddle_init(initial_range)
         rows = init(rngs.params(), (num_embeddings, embedding_dim), param_dtype)
-        self.weight = sparse_table(rows, table_name=table_name)
+        self.weight = sparse_table(rows, table_name=table_name, memory_kind=memory_kind)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         """The rows of `ids` (an integer array): ``ids.shape + (embedding_dim,)``."""

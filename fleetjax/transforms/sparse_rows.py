@@ -24,6 +24,9 @@ axes `axes` (every device by default) and is never differentiated. A step instea
   distinct id, duplicate ids summed; data parallelism all-reduces it like any gradient.
 * `apply_rows` applies a table's `SparseRule` on each device to the touched rows it owns, and
   their optimizer slots, in place: nothing is sent.
+* A table in pinned host memory (``memory_kind="pinned_host"``, its slots likewise) is read
+  and written a row at a time (XLA's dynamic slices of host memory): only the touched rows
+  move between host and device, and no block of the table is copied to the device.
 
 Under Geo-SGD (`a_sync_configs.k_steps`) every replica keeps its own copy of a table, as
 Paddle's Geo trainers do, updates it locally (``axes=()``) and marks the rows it changed; every
@@ -81,6 +84,7 @@ __all__ = [
 ]
 
 Bounds = tuple[float, float] | None
+_DEVICE, _HOST = jax.memory.Space.Device, jax.memory.Space.Host
 
 
 class SparseRule(NamedTuple):
@@ -313,16 +317,71 @@ def _owned(ids: jax.Array, block: jax.Array, axes: Sequence[str]) -> jax.Array:
     return jnp.where((at >= 0) & (at < n), at, n)
 
 
+def _on_host(x: jax.Array) -> bool:
+    return jax.typeof(x).memory_space == jax.memory.Space.Host
+
+
+def _owned_span(ids: jax.Array, block: jax.Array, axes: Sequence[str]) -> tuple[jax.Array, ...]:
+    """(first, lo, hi): the id of this device's first row, and the positions ``[lo, hi)`` in
+    `ids` (sorted) of the ids its block holds."""
+    first = jax.lax.axis_index(tuple(axes)) * block.shape[0] if axes else 0
+    return first, jnp.searchsorted(ids, first), jnp.searchsorted(ids, first + block.shape[0])
+
+
+def _varying(tree: Any, axes: Sequence[str]) -> Any:
+    """`tree` marked as differing over `axes` (a loop carry that each device fills alike)."""
+    if not axes:
+        return tree
+    return jax.tree.map(lambda x: jax.lax.pcast(x, tuple(axes), to="varying"), tree)
+
+
+def _read_host_rows(blocks: Any, ids: jax.Array, axes: Sequence[str]) -> Any:
+    """The rows of (sorted) `ids` that host-resident `blocks` hold, copied one at a time to
+    device memory, zeros for the others: XLA moves each row by itself (a dynamic slice of host
+    memory), so no block is ever copied whole to the device."""
+    first, lo, hi = _owned_span(ids, jax.tree.leaves(blocks)[0], axes)
+
+    def read(i: jax.Array, rows: Any) -> Any:
+        def one(out: jax.Array, block: jax.Array) -> jax.Array:
+            row = jax.lax.dynamic_slice_in_dim(block, ids[i] - first, 1)
+            return jax.lax.dynamic_update_slice_in_dim(out, jax.device_put(row, _DEVICE), i, 0)
+
+        return jax.tree.map(one, rows, blocks)
+
+    zeros = jax.tree.map(lambda b: jnp.zeros((ids.size, *b.shape[1:]), b.dtype), blocks)
+    return jax.lax.fori_loop(lo, hi, read, _varying(zeros, axes))
+
+
+def _write_host_rows(blocks: Any, rows: Any, ids: jax.Array, axes: Sequence[str]) -> Any:
+    """`blocks` (host-resident) with the `rows` of the (sorted) `ids` they hold written in place,
+    one row at a time from device memory."""
+    first, lo, hi = _owned_span(ids, jax.tree.leaves(blocks)[0], axes)
+
+    def write(i: jax.Array, blocks: Any) -> Any:
+        def one(block: jax.Array, new: jax.Array) -> jax.Array:
+            row = jax.device_put(jax.lax.dynamic_slice_in_dim(new, i, 1).astype(block.dtype), _HOST)
+            return jax.lax.dynamic_update_slice_in_dim(block, row, ids[i] - first, 0)
+
+        return jax.tree.map(one, blocks, rows)
+
+    return jax.lax.fori_loop(lo, hi, write, blocks)
+
+
 def gather_rows(
     table: jax.Array, ids: jax.Array, mesh: Mesh | None = None, axes: Sequence[str] = ()
 ) -> jax.Array:
     """The rows of `ids` (on every device) from `table`, split by rows over `axes` of `mesh`:
     each device reads the rows it owns, zeros for the others, and a sum over `axes` (one
-    all-reduce) gives every device all of them. Ids outside the table read zeros."""
+    all-reduce) gives every device all of them. Ids outside the table read zeros. A table in
+    pinned host memory takes sorted ids (`TouchedRows.ids`), and only their rows move to the
+    devices."""
     axes = tuple(axes)
 
     def local(block: jax.Array, ids: jax.Array) -> jax.Array:
-        rows = block.at[_owned(ids, block, axes)].get(mode="fill", fill_value=0)
+        if _on_host(block):
+            rows = _read_host_rows(block, ids, axes)
+        else:
+            rows = block.at[_owned(ids, block, axes)].get(mode="fill", fill_value=0)
         return jax.lax.psum(rows, axes) if axes else rows
 
     rows_spec = PartitionSpec(axes)
@@ -342,10 +401,15 @@ def scatter_rows(
 ) -> tuple[jax.Array, Any]:
     """`rule` applied to the rows of `ids` (distinct; the padding id ``V`` is skipped) with
     their `grads` (both on every device), and to their `slots`, on the device that owns each
-    row (`table` and `slots` split by rows over `axes`), in place. Nothing is sent."""
+    row (`table` and `slots` split by rows over `axes`), in place. Nothing is sent. A table
+    in pinned host memory (and its slots) takes sorted ids, and its touched rows move to the
+    device, are updated there and are written back in place."""
     axes = tuple(axes)
 
     def local(block: jax.Array, slots: Any, ids: jax.Array, grads: jax.Array) -> Any:
+        if _on_host(block):
+            rows, own_slots = rule.update(*_read_host_rows((block, slots), ids, axes), grads)
+            return _write_host_rows((block, slots), (rows, own_slots), ids, axes)
         at = _owned(ids, block, axes)
         read = lambda x: x.at[at].get(mode="fill", fill_value=0)  # noqa: E731
         rows, own_slots = rule.update(read(block), jax.tree.map(read, slots), grads)

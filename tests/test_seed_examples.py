@@ -28,7 +28,7 @@ def run(script: str, cwd: pathlib.Path) -> str:
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
+    return out.stdout + out.stderr  # warnings included
 
 
 def losses(output: str) -> list[list[float]]:
@@ -57,7 +57,9 @@ def check_004(output: str, cwd: pathlib.Path) -> None:
     assert "current lr is 0.6\nget_lr\n0.01\n" in output  # Paddle's prints
     assert "  state_dict before the first step: {}" in output
     assert "  worker_num 1" in output and "  server_endpoints []" in output
-    assert output.count("is a parameter-server call") == 4
+    # Alone, Paddle's parameter-server calls warn and return (its is_non_distributed_check).
+    for call in ("init_worker", "init_server", "run_server", "stop_worker"):
+        assert f"{call}() function doesn't work when use non_distributed fleet." in output
     assert "  exported model, 3 rows: [(3, 1), ()]" in output
     assert "  saved step 1" in output
     assert (cwd / "dirname" / "inference.jaxexport").exists()

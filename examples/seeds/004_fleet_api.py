@@ -1,8 +1,9 @@
 """Seed 004 (the `fleet.Fleet` API): its examples with fleetjax's imports and flax nnx layers in
-place of Paddle's: `init`, the role queries, `barrier_worker`, the parameter-server calls
-(which raise in collective mode, as Paddle's do), `distributed_optimizer`, `distributed_model` with
-`backward` / `step` / `clear_grad`, `state_dict` / `set_state_dict`, `set_lr` / `get_lr`,
-`save_inference_model` and `save_persistables`. It writes into the working directory, as the
+place of Paddle's: `init`, the role queries, `barrier_worker`, the parameter-server calls (which
+warn in a process alone and raise in a launched collective job, as Paddle's do),
+`distributed_optimizer`, `distributed_model` with `backward` / `step` / `clear_grad`,
+`state_dict` / `set_state_dict`, `set_lr` / `get_lr`, `save_inference_model` and
+`save_persistables`. It writes into the working directory, as the
 seed does.
 
     python examples/seeds/004_fleet_api.py   # 2 simulated CPU devices, as fleetrun --gpus=0,1
@@ -41,6 +42,7 @@ print("  is_server", fleet.is_server())
 fleet.barrier_worker()
 
 print("init_worker, init_server, run_server, stop_worker")
+# Run alone (as here), Paddle's calls warn and return; launched in collective mode they raise.
 for call in (fleet.init_worker, fleet.init_server, fleet.run_server, fleet.stop_worker):
     try:
         call()

@@ -65,6 +65,7 @@ def test_dgc_reaches_dense_momentum_accuracy():
     assert abs(accuracy(sparse) - accuracy(dense)) <= 1.0, (dense, sparse)
 
 
+@pytest.mark.slow  # each switch trains in its own test file; this is the script's flags
 def test_every_switch_trains():
     flags = ["--amp", "--recompute", "--gradient-merge", "2", "--fp16-allreduce"]
     summary, _ = run("--steps", "100", *flags)

@@ -102,7 +102,11 @@ def pipelined(**hybrid_configs):
     )
 
 
-@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit], ids=lambda k: k.name)
+@pytest.mark.parametrize(
+    "kind",
+    [AxisType.Auto, pytest.param(AxisType.Explicit, marks=pytest.mark.slow)],
+    ids=lambda k: k.name,
+)
 def test_dp2_pp2_mp2_trains_like_one_device(gpt, batches, reference, kind):
     mesh = fleetjax.build_mesh(dp=2, pp=2, mp=2, axis_types=kind)
     got = losses(gpt, batches, pipelined(dp_degree=2, mp_degree=2), mesh, pipelined=True)

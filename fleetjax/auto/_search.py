@@ -246,9 +246,11 @@ class _Planner:
             self.consider(layout, always_compile=layout == baseline)
         # ZeRO layouts over the budget try the optimizer state in pinned host memory, where
         # there is one apart from the devices' (a CPU device's memory is the host's).
-        for c in list(self.done) if self.devices[0].platform != "cpu" else []:
-            if c.status == OVER_BUDGET and c.layout.sharding > 1 and not c.layout.offload:
-                self.consider(dataclasses.replace(c.layout, offload=True))
+        if self.devices[0].platform != "cpu":
+            over = [c for c in self.done if c.status == OVER_BUDGET and c.layout.sharding > 1]
+            for c in over:
+                if not c.layout.offload:
+                    self.consider(dataclasses.replace(c.layout, offload=True))
         # Savers only add work: a layout estimated no faster than the best candidate needs none.
         short = [
             c

@@ -253,3 +253,43 @@ def test_a_174b_gpt_step_compiles_for_1024_h100s():
     attention = 4 * 4 * batch * seq**2 * width * layers
     formula = (6 * n * tokens + remat + attention) / 1024
     assert targets.cost_analysis(compiled).flops == pytest.approx(formula, rel=0.01)
+
+
+def test_megatron_formula_is_gpt3_175b():
+    """GPT-3 175B's shapes give 175B parameters (its untied output layer adds the 0.6B of its
+    vocabulary); Megatron-LM's layout holds N_s (4 + 4 + 8/dp + 2) bytes per stage parameter,
+    its 1F1B keeps pp micro-batches of layer inputs and its bubble is (pp - 1) / m."""
+    f = targets.Megatron(96, 12288, 96, 2048, 51200, 1536, tp=8, pp=8, dp=16)
+    assert f.parameters == pytest.approx(175.3e9, rel=1e-3)
+    assert targets.Megatron(96, 12288, 96, 2048, 51200, 1536, tied=True).parameters == (
+        pytest.approx(174.6e9, rel=1e-3)
+    )
+    assert (f.gpus, f.micro_batches, f.bubble) == (1024, 96, 7 / 96)
+    hbm = f.hbm()
+    n = f.stage_parameters
+    assert n == pytest.approx((12 * 12288**2 * 12 + 51200 * 12288) / 8, rel=1e-2)
+    assert hbm["Adam moments"] == 8 / 16 * n
+    assert hbm["kept layer inputs"] == 8 * 12 * 2048 * 12288 * 2
+    assert hbm["recompute working set"] == 2048 * 12288 * (10 + 24 / 8 + 5 * 96 * 2048 / 12288 / 8)
+    axes = f.axis_bytes()
+    assert axes["mp"] == 12 * 96 * 6 * 2048 * 12288 * 2
+    assert axes["pp"] == 96 * 2 * 2048 * 12288 * 2
+    assert axes["data"] == 2 * 4 * n
+    assert 0.45 <= f.mfu(targets.get("h100").spec) <= 0.50
+    interleaved = targets.Megatron(96, 12288, 96, 2048, 51200, 1536, tp=8, pp=8, dp=16, vpp=2)
+    assert interleaved.kept_micro_batches == 2 * 7 + 8 + 1  # chunks of 6 layers
+    assert interleaved.bubble == 7 / (96 * 2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"global_batch": 100, "dp": 16}, "global_batch=100 does not split into dp=16"),
+        ({"pp": 5}, "layers=96 do not split into pp x vpp = 5 x 1"),
+        ({"tp": -1}, "Megatron.tp must be a non-negative int, got -1"),
+    ],
+)
+def test_megatron_formula_checks_its_shapes(kwargs, message):
+    shapes = {"layers": 96, "hidden": 12288, "heads": 96, "sequence": 2048, "vocab": 51200}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        targets.Megatron(**{**shapes, "global_batch": 1536, **kwargs})

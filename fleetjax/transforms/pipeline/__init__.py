@@ -25,9 +25,11 @@ per step, and the kept residuals of a recomputed stage are its layers' inputs al
 The parts, each a module: `_model` (`PipelineParams`, `PipelineLayer`, the parts' keys and the
 layers' order), `_layers` (Paddle's `LayerDesc` list form of a `PipelineLayer`), `schedules`
 (the schedule tables and `SCHEDULE_MODES`, Paddle's spellings of them), `_timetable` (a
-schedule made executable: the buffer slot of every value kept across ticks), `_program` (the
-`shard_map` and the per-stage program, a tick's forward half and its backward half). This
-module checks the arguments and runs the program, on Auto axes.
+schedule made executable: the buffer slot of every value kept across ticks, and its segments),
+`_program` (the `shard_map`), `_layout` (its axes and specs), `_shapes` (what it is built
+for), `_casts` (weights cast once per step), `_stage` (the per-stage program: a tick's forward
+half and its backward half), `_chunk` (a chunk's layers forward and backward), `_values`
+(buffers and sums). This module checks the arguments and runs the program, on Auto axes.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from flax import nnx  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 import fleetjax  # noqa: E402
-from fleetjax import PipelineLayer, auto, targets  # noqa: E402
+from fleetjax import auto, targets  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
 from gpt import GPT, GPTConfig, GPTFunctions  # noqa: E402
@@ -70,14 +70,6 @@ def gpt(name: str) -> tuple[GPTFunctions, Any, dict[str, jax.ShapeDtypeStruct]]:
     model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
     batch = {"tokens": jax.ShapeDtypeStruct((sequences, SEQ + 1), jnp.int32)}
     return GPTFunctions(model), nnx.to_pure_dict(nnx.state(model)), batch
-
-
-def pipelined(fns: GPTFunctions, vpp: int = 1) -> PipelineLayer:
-    """The GPT cut into embed -> blocks (each marked for recompute) -> head, so that `auto`
-    may also pipeline it."""
-    return PipelineLayer(
-        fns.embed, fleetjax.recompute(fns.stage), fns.head_loss, num_virtual_pipeline_stages=vpp
-    )
 
 
 def formula_of(name: str, gpus: int, tp: int, pp: int, vpp: int = 1) -> targets.Megatron:
@@ -160,7 +152,7 @@ def auto_row(name: str, gpus: int) -> dict[str, Any]:
     start = time.perf_counter()
     try:
         found = auto.search(
-            pipelined(fns),
+            fns.pipeline_layer(),
             optax.adam(1e-4),
             fns.pipeline_params(params),
             batch,
@@ -207,7 +199,7 @@ def megatron_row(name: str, gpus: int, tp: int, pp: int, vpp: int = 1) -> dict[s
     mesh = targets.mesh("h100", gpus, sharding=dp, pp=pp, mp=tp)
     specs = fns.pipeline_params(fns.partition_specs(mesh=mesh))
     step = fleetjax.make_train_step(
-        pipelined(fns, vpp), optax.adam(1e-4), s, mesh, param_specs=specs
+        fns.pipeline_layer(vpp), optax.adam(1e-4), s, mesh, param_specs=specs
     )
     schedule = f"VPP (V={vpp})" if vpp > 1 else "1F1B"
     row = {

@@ -15,6 +15,7 @@ by a `lax.scan` whose body is marked with `fleetjax.recompute`; the model is als
     loss = gpt.loss_fn(params, batch, key)           # with hidden_dropout_prob > 0
     specs = gpt.partition_specs(mesh=mesh)           # PartitionSpecs like params
     parts = gpt.pipeline_params(params)              # PipelineParams(embed, layers, head)
+    model = gpt.pipeline_layer()                     # the loss a pipeline trains on parts
 """
 
 from __future__ import annotations
@@ -45,10 +46,10 @@ Params = dict[str, Any]
 Batch = dict[str, jax.Array]
 
 # Activations are constrained by their trailing dimensions: the batch dimension keeps the
-# sharding it arrives with (over the data axes from the train step; under the pipeline, the
-# replicas' axis is split instead, and constraining the rows would reshuffle them).
+# sharding it arrives with, except where ROWS splits it over the data axes (inside a pipeline,
+# where each device runs its own replica, those axes are manual and the constraint leaves them).
 HIDDEN = ("activation_length", "activation_embed")  # the residual stream [batch, length, embed]
-ROWS = ("activation_batch", *HIDDEN)  # and its rows over the data axes, outside a pipeline
+ROWS = ("activation_batch", *HIDDEN)  # and its rows over the data axes
 HEADS = ("activation_length", "activation_heads", "activation_kv")  # q, k, v
 
 
@@ -271,15 +272,19 @@ class GPTFunctions:
         """The mean next-token loss of ``batch["tokens"]`` (int32 [B, T + 1]); with dropout,
         `key` is the step's PRNG key, split among the parts as a pipeline of one micro-batch
         splits it (`fleetjax.transforms.pipeline.part_keys`)."""
-        # The blocks are recomputed under a recompute strategy. Their rows stay split over the
-        # data axes (without a pipeline, nothing else splits them): otherwise XLA may gather
-        # the activations instead of the parameters that ZeRO-3 splits over `sharding`.
-        model = PipelineLayer(
+        return self.pipeline_layer()(self.pipeline_params(params), batch, *key)
+
+    def pipeline_layer(self, num_virtual_pipeline_stages: int = 1) -> PipelineLayer:
+        """The GPT cut for a pipeline (on `pipeline_params`), which also trains unpipelined:
+        the blocks marked for recompute, their rows kept split over the data axes (without a
+        pipeline nothing else splits them, and XLA might gather the activations instead of
+        the parameters that ZeRO-3 splits over `sharding`)."""
+        return PipelineLayer(
             lambda p, batch, *key: constrain(self.embed(p, batch, *key), ROWS),
             fleetjax.recompute(lambda p, h, *key: constrain(self.stage(p, h, *key), ROWS)),
             self.head_loss,
+            num_virtual_pipeline_stages=num_virtual_pipeline_stages,
         )
-        return model(self.pipeline_params(params), batch, *key)
 
     def embed(self, embed_params: Params, batch: Batch, key: jax.Array | None = None) -> jax.Array:
         """Tokens ``[:, :-1]`` to the residual stream [B, T, hidden_size]."""

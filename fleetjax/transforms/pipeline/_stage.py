@@ -155,7 +155,7 @@ class Stage:
         chunk_specs = jax.tree.map(by_chunk, compiler.layers, is_leaf=is_spec)
         residuals = zeros(self.chunk.shapes, table.residual_slots, self.size)
         return Carry(
-            constrain(residuals, self._residual_specs()),
+            self._residuals_split(residuals),
             zeros(activations, table.activation_slots),
             zeros(activations, table.cotangent_slots),
             constrain(zeros(shapes.chunk, self.chunks), chunk_specs),
@@ -166,29 +166,41 @@ class Stage:
             PipelineParams(*zeros(states)),
         )
 
-    def _residual_specs(self) -> list[PartitionSpec]:
+    def _residual_specs(self) -> list[PartitionSpec | None]:
         """Where the residual buffers [slots, layers per chunk, ...] are: a residual shaped
         like the activations (a layer's input, all a recomputed layer keeps) is split over
         the compiler's axes along its largest dimension that divides, as sequence
         parallelism keeps it, and gathered when its backward runs: a 1/mp of the memory of
-        the micro-batches in flight for an all-gather per layer; the others as XLA likes."""
-        split = self.layout.split
-        if not split:
-            return [PartitionSpec()] * len(self.chunk.shapes)
-        ways = self.layout.split_ways
+        the micro-batches in flight for an all-gather per layer. The others (None) stay as
+        XLA lays them out (one that its layer splits over mp stays split)."""
+        split, ways = self.layout.split, self.layout.split_ways
         activations = jax.tree.leaves(self.shapes.activations)
         like = [(a.shape, a.dtype) for a in activations]
 
-        def spec(r: jax.ShapeDtypeStruct) -> PartitionSpec:
+        def spec(r: jax.ShapeDtypeStruct) -> PartitionSpec | None:
             dims = sorted(range(len(r.shape)), key=lambda d: -r.shape[d])
             fits = [d for d in dims if r.shape[d] % ways == 0]
-            if (r.shape, r.dtype) not in like or not fits:
-                return PartitionSpec()
+            if not split or (r.shape, r.dtype) not in like or not fits:
+                return None
             entries = [None] * (2 + len(r.shape))
             entries[2 + fits[0]] = split
             return PartitionSpec(*entries)
 
         return [spec(r) for r in self.chunk.shapes]
+
+    def _residuals_split(self, buffers: list[jax.Array]) -> list[jax.Array]:
+        """The residual buffers laid out as `_residual_specs` says."""
+        specs = self._residual_specs()
+        return [b if s is None else constrain(b, s) for b, s in zip(buffers, specs, strict=True)]
+
+    def _whole_where_split(self, residuals: list[jax.Array]) -> list[jax.Array]:
+        """`residuals` with those kept split whole, as the layers make and use them: the split
+        stays in the buffer instead of spreading to the layers."""
+        specs = self._residual_specs()
+        return [
+            r if spec is None else constrain(r, WHOLE)
+            for r, spec in zip(residuals, specs, strict=True)
+        ]
 
     def tick(self, segment: Segment, carry: Carry, rows: jax.Array) -> tuple[Carry, None]:
         """One tick of `segment`: this stage's row of `rows` [stages, COLUMNS], its forward,
@@ -250,9 +262,7 @@ class Stage:
         x_in = take(carry.activations, row[F_ACT])
         made, y, states, loss, metrics, dh, dy = lax.cond(running, run, idle, x_in, batch)
         # Written outside the cond: a buffer that a cond's branch updates is copied whole.
-        # Kept split (see `_residual_specs`), made and used whole: the split stays in the
-        # buffer instead of spreading to the layers.
-        made = constrain(made, [WHOLE] * len(made))
+        made = self._whole_where_split(made)
         residuals = put_where(carry.residuals, row[F_RES], running, made)
         cotangents = put(carry.cotangents, row[F_DY], dy)
         last = row[F_MICRO] == self.micro_batches - 1
@@ -297,7 +307,7 @@ class Stage:
         chunk, running = row[B_CHUNK], row[B_MICRO] >= 0
         is_first = chunk * self.stages + self.index == 0
         w, s = self._chunk(chunk)
-        kept = constrain(take(carry.residuals, row[B_RES]), [WHOLE] * len(self.chunk.shapes))
+        kept = self._whole_where_split(take(carry.residuals, row[B_RES]))
         dy = take(carry.cotangents, row[B_COT])
         g_layers, dx = self.chunk.backward(w, s, kept, dy, carry.g_layers, chunk, running)
 

@@ -908,6 +908,13 @@ GRADIENT_SCALE_CONFIG = message(
     ],
 )
 
+# Names fleetjax had and removed: their errors name the replacement.
+_EXPLAIN_REMOVED = (
+    "strategy.explain() was removed (fleetjax's redesign, issue 17); "
+    "print(fleetjax.applied_strategy(strategy)) shows what a strategy does, and "
+    "fleet.applied_strategy() what the fleet's does on its mesh"
+)
+
 MODE = Enum("Mode", (("COLLECTIVE", 1), ("PS", 2), ("PIPELINE", 3), ("HETER", 4)))
 
 DISTRIBUTED_STRATEGY = message(
@@ -1076,6 +1083,7 @@ DISTRIBUTED_STRATEGY = message(
         field(202, "execution_strategy", EXECUTION_STRATEGY, paddle=False),
         field(203, "gradient_scale_configs", GRADIENT_SCALE_CONFIG),
     ],
+    hints={"explain": _EXPLAIN_REMOVED},
 )
 
 # -- paddle.distributed.Strategy (auto-parallel; seed 002) -------------------------------------
@@ -1342,6 +1350,7 @@ AUTO_STRATEGY = message(
             note="jax.jit always traces the whole step; there is no partial-graph mode",
         ),
     ],
+    hints={"explain": _EXPLAIN_REMOVED},
 )
 
 # -- paddle.distributed.fleet.auto.Strategy (the older auto-parallel strategy) ----------------

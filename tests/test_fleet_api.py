@@ -743,8 +743,10 @@ def test_fleet_applied_strategy(fresh_fleet, every_flag_strategy):
     assert report.mesh == {"dp": 4, "sharding": 1, "pp": 1, "mp": 2}
     assert report.xla_flags == ()  # the backend had started: none is in effect
     asked = read_plan(every_flag_strategy).xla_flags
-    missing = [(i.knob, i.why) for i in report.ignored if "is not in effect" in i.why]
-    assert [knob for knob, _ in missing] == [f.knob for f in asked]
-    assert f"{asked[0]} is not in effect" in missing[0][1]
+    gpu = [f for f in asked if f.name.startswith("xla_gpu_")]
+    assert gpu and len(gpu) < len(asked)
+    for flag in asked:  # on CPU devices XLA:GPU's flags do nothing, whenever they came
+        expected = "no effect on this backend" if flag in gpu else f"{flag} is not in effect"
+        assert (flag.knob, expected) in [(i.knob, i.why[: len(expected)]) for i in report.ignored]
     assert "Momentum(learning_rate=0.1" in dict(report.applied)["optimizer"]
     assert "became LarsMomentum(" in dict(report.applied)["optimizer"]

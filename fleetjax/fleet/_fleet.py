@@ -573,7 +573,7 @@ class Fleet:
         nothing, as Paddle's does. `mode` (Paddle's configs: 0 the whole tables, 1 their
         changed rows, 2 a base model) warns unless 0: the whole state is saved.
         """
-        if non_distributed(self._checked_role(), "save", stacklevel=3):
+        if non_distributed(self._checked_role(), "save"):
             return
         unknown = set(configs) - {"mode"}
         if unknown:
@@ -591,7 +591,7 @@ class Fleet:
         nothing, as Paddle's does. `mode` (Paddle's 0 checkpoint, 3 batch model, 1 and 2 its
         inference formats) warns unless 0: the whole state loads.
         """
-        if non_distributed(self._checked_role(), "load_model", stacklevel=3):
+        if non_distributed(self._checked_role(), "load_model"):
             return
         if mode != 0:
             warn_once(_WHOLE_STATE.format("load_model", mode))

@@ -273,7 +273,7 @@ class TestRoleMakers:
         assert ro._get_trainer_endpoints()[0] == "127.0.0.1:36001"
         assert ro._get_trainer_endpoint() == "127.0.0.2:36001"
         assert (ro._is_non_distributed(), ro._get_local_device_ids()) == (False, "0,1")
-        assert role_maker.PaddleCloudRoleMaker(environ={})._is_non_distributed()
+        assert role_maker.PaddleCloudRoleMaker(True, environ={})._is_non_distributed()
 
     def test_collectives_over_one_process(self):
         ro = role_maker.UserDefinedRoleMaker(worker_endpoints=["127.0.0.1:6170"])

@@ -155,8 +155,8 @@ class Fleet:
         backend; flags that come later only warn. docs/knobs.md lists the `FLAGS_*` read.
 
         Args:
-          role_maker: default `PaddleCloudRoleMaker()` (reads the `PADDLE_*` variables), or,
-            without them, `JaxProcessRoleMaker()` if the script already called
+          role_maker: default `PaddleCloudRoleMaker(is_collective=True)` (reads the `PADDLE_*`
+            variables), or, without them, `JaxProcessRoleMaker()` if the script already called
             `jax.distributed.initialize()` or JAX's cluster detection finds a job of several
             processes (SLURM, Open MPI, Kubernetes), which `init` then joins; in
             parameter-server mode `PaddleCloudRoleMaker(is_collective=False)` (Paddle's

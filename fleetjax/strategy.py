@@ -336,7 +336,7 @@ _LEGACY_PASSES = {
     "fused_gemm_epilogue_pass": "gemm_epilogue",
     "fused_dropout_add_pass": "dropout_add",
 }
-# Sections only the older auto-parallel Strategy has.
+# Sections Paddle's _from_legacy_strategy leaves behind (the newer Strategy lacks all but qat).
 _LEGACY_ONLY = ("qat", "tuning", "dataset", "fused_linear_promotion")
 
 

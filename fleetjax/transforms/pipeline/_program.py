@@ -114,12 +114,12 @@ def micro_batches_of(batch: Any, mesh: Mesh, micro_batch_size: int, accumulate_s
     (size,) = sizes
     replicas = data_parallel_size(mesh)
     if size != replicas * micro_batch_size * accumulate_steps:
-        per_replica = size // replicas if size % replicas == 0 else size / replicas
+        needed = replicas * micro_batch_size * accumulate_steps
         raise ValueError(
-            "batch_size needs to be divisible by micro_batch_size. Currently, "
-            f"batch_size = {per_replica}, micro_batch_size = {micro_batch_size}, "
-            f"accumulate_steps = {accumulate_steps}. (batch_size is per data-parallel "
-            f"replica: {size} rows over {replicas} replicas)"
+            f"a pipeline batch has data-parallel replicas x micro_batch_size x accumulate_steps "
+            f"= {replicas} x {micro_batch_size} x {accumulate_steps} = {needed} rows, got "
+            f"{size}: pass {needed} rows, or change pipeline_configs' micro_batch_size or "
+            "accumulate_steps (each replica's rows are accumulate_steps micro-batches)"
         )
 
     def cut(x: jax.Array) -> jax.Array:

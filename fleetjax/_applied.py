@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from fleetjax import xla_flags
 from fleetjax.distributed_optimizer import DistributedOptimizer
-from fleetjax.mesh import AXES
+from fleetjax.mesh import AXES, REQUIRED_AXES
 from fleetjax.optimizers import PaddleOptimizer
 from fleetjax.plan import NoEffect, OptimizerSwitch, Plan, read_plan
 from fleetjax.strategy import DistributedStrategy, Strategy
@@ -107,7 +107,7 @@ def applied_strategy(
         missing += tuple(NoEffect(f.knob, _ON_CPU.format(f)) for f in idle)
     return AppliedStrategy(
         strategy=plan.strategy,
-        mesh={a: sizes[a] for a in AXES},
+        mesh={a: sizes.get(a, 1) for a in AXES if a in REQUIRED_AXES or sizes.get(a, 1) > 1},
         applied=_settings(plan, sizes, optimizer),
         xla_flags=flags,
         ignored=plan.no_effect + missing,
@@ -152,6 +152,16 @@ def _layout(plan: Plan, sizes: Mapping[str, int]) -> dict[str, str]:
         found["tensor parallel"] = (
             f"parameters split over mp={sizes['mp']} by their logical axis names "
             "(fleetjax.layers) or param_specs"
+        )
+    if sizes.get("sep", 1) > 1:
+        found["segment parallel"] = (
+            f"the sequence split over sep={sizes['sep']}; attention exchanges sequence for heads "
+            "by all-to-all over sep (fleetjax.layers.attention)"
+        )
+    if sizes.get("cp", 1) > 1:
+        found["context parallel"] = (
+            f"the sequence split over cp={sizes['cp']}; ring attention over cp, causal and "
+            "load-balanced (fleetjax.layers.attention)"
         )
     if (p := plan.pipeline) is not None:
         vpp = f", vpp_degree={p.vpp_degree}" if p.vpp_degree else ""

@@ -68,7 +68,14 @@ def test_errors(kwargs, message):
 def test_degrees_from_hybrid_configs():
     s = fleetjax.DistributedStrategy()
     s.hybrid_configs = {"dp_degree": 2, "mp_degree": 2, "pp_degree": 2}
-    assert strategy_degrees(s)._asdict() == {"dp": 2, "sharding": 1, "pp": 2, "mp": 2}
+    assert strategy_degrees(s)._asdict() == {
+        "dp": 2,
+        "sharding": 1,
+        "pp": 2,
+        "mp": 2,
+        "sep": 1,
+        "cp": 1,
+    }
     s.hybrid_configs = {"order": ["mp", "pp", "sharding", "dp"]}
     assert mesh_for(read_plan(s)).axis_names == ("mp", "pp", "sharding", "dp")
 
@@ -76,9 +83,23 @@ def test_degrees_from_hybrid_configs():
 def test_degrees_from_sharding_configs():
     s = fleetjax.DistributedStrategy()
     s.sharding = True
-    assert strategy_degrees(s)._asdict() == {"dp": -1, "sharding": 8, "pp": 1, "mp": 1}
+    assert strategy_degrees(s)._asdict() == {
+        "dp": -1,
+        "sharding": 8,
+        "pp": 1,
+        "mp": 1,
+        "sep": 1,
+        "cp": 1,
+    }
     s.sharding_configs = {"sharding_degree": 4, "dp_degree": 2}
-    assert strategy_degrees(s)._asdict() == {"dp": 2, "sharding": 4, "pp": 1, "mp": 1}
+    assert strategy_degrees(s)._asdict() == {
+        "dp": 2,
+        "sharding": 4,
+        "pp": 1,
+        "mp": 1,
+        "sep": 1,
+        "cp": 1,
+    }
     s.hybrid_configs = {"sharding_degree": 4}  # the same value twice is fine
     assert strategy_degrees(s).sharding == 4
 
@@ -113,8 +134,44 @@ def test_tensor_parallel_degree():
 
 def test_axes_fleetjax_does_not_have():
     s = fleetjax.DistributedStrategy()
-    s.hybrid_configs = {"sep_degree": 2}
-    with pytest.raises(NotImplementedError, match="hybrid_configs.sep_degree=2"):
+    s.hybrid_configs = {"ep_degree": 2}
+    with pytest.raises(NotImplementedError, match="hybrid_configs.ep_degree=2"):
+        strategy_degrees(s)
+
+
+def test_sequence_axes_only_where_above_one():
+    mesh = build_mesh(sep=2, cp=2, mp=2)
+    assert mesh.axis_names == ("dp", "pp", "sharding", "sep", "cp", "mp")  # Paddle's order
+    assert dict(mesh.shape) == {"dp": 1, "pp": 1, "sharding": 1, "sep": 2, "cp": 2, "mp": 2}
+    assert build_mesh(cp=4).axis_names == ("dp", "pp", "sharding", "cp", "mp")
+    with pytest.raises(
+        ValueError, match="dp x sharding x pp x sep x cp x mp = 1 x 1 x 1 x 2 x 2 x 4 = 16, but"
+    ):
+        build_mesh(sharding=1, pp=1, sep=2, cp=2, mp=4, dp=1)
+    with pytest.raises(ValueError, match="order must name 'cp', whose degree is above 1"):
+        build_mesh(cp=2, order=["dp", "pp", "sharding", "mp"])
+
+
+def test_context_parallel_is_carved_out_of_sharding():
+    # Paddle: sharding_degree = cp_sharding_degree x cp_degree.
+    s = fleetjax.DistributedStrategy()
+    s.hybrid_configs = {"sharding_degree": 4, "cp_degree": 2, "sep_degree": 2}
+    degrees = strategy_degrees(s)
+    assert (degrees.sharding, degrees.cp, degrees.sep) == (2, 2, 2)
+    mesh = mesh_for(read_plan(s))
+    assert dict(mesh.shape) == {"dp": 1, "pp": 1, "sharding": 2, "sep": 2, "cp": 2, "mp": 1}
+    s.hybrid_configs = {"sharding_degree": 4, "cp_degree": 2, "cp_sharding_degree": 2}
+    assert strategy_degrees(s).sharding == 2
+    s.hybrid_configs = {"sharding_degree": 4, "cp_degree": 2, "cp_sharding_degree": 4}
+    with pytest.raises(ValueError, match=(
+        "hybrid_configs.cp_sharding_degree=4 must be sharding_degree / cp_degree = 4 / 2 = 2"
+    )):  # fmt: skip
+        strategy_degrees(s)
+    s = fleetjax.DistributedStrategy()
+    s.hybrid_configs = {"cp_degree": 2}
+    with pytest.raises(ValueError, match=(
+        "hybrid_configs.cp_degree=2 must divide the sharding degree \\(1\\)"
+    )):  # fmt: skip
         strategy_degrees(s)
 
 

@@ -1,8 +1,11 @@
-"""The device mesh with Paddle's hybrid-parallel axes `dp`, `sharding`, `pp` and `mp`."""
+"""The device mesh with Paddle's hybrid-parallel axes `dp`, `sharding`, `pp` and `mp`, and the
+sequence axes `sep` and `cp`."""
 
 from fleetjax.mesh._mesh import (
     AXES,
     DEFAULT_ORDER,
+    REQUIRED_AXES,
+    SEQUENCE_AXES,
     build_mesh,
     check_order,
 )
@@ -24,6 +27,8 @@ __all__ = [
     "DATA_AXES",
     "ZERO_MIN_ELEMENTS",
     "DEFAULT_ORDER",
+    "REQUIRED_AXES",
+    "SEQUENCE_AXES",
     "batch_sharding",
     "build_mesh",
     "check_order",

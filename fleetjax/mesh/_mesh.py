@@ -1,4 +1,5 @@
-"""Building the `('dp', 'sharding', 'pp', 'mp')` device mesh from degrees."""
+"""Building the device mesh from degrees: `dp`, `sharding`, `pp`, `mp`, and Paddle's sequence
+axes `sep` and `cp` where their degree is above 1."""
 
 from __future__ import annotations
 
@@ -12,22 +13,31 @@ from jax.sharding import AxisType, Mesh
 from fleetjax._schema import DEFAULT_ORDER as PADDLE_ORDER
 from fleetjax._schema import HYBRID_AXES
 
-AXES = ("dp", "sharding", "pp", "mp")
-# Paddle's hybrid order with the axes fleetjax has: mp varies fastest.
-DEFAULT_ORDER = tuple(a for a in PADDLE_ORDER if a in AXES)
+AXES = ("dp", "sharding", "pp", "sep", "cp", "mp")
+# The axes every mesh has; `sep` (segment parallelism) and `cp` (context parallelism) split the
+# sequence and are in a mesh only where their degree is above 1.
+REQUIRED_AXES = ("dp", "sharding", "pp", "mp")
+SEQUENCE_AXES = ("cp", "sep")  # a sequence's split, major first (see fleetjax.layers.attention)
+# Paddle's hybrid order: mp varies fastest.
+DEFAULT_ORDER = tuple(PADDLE_ORDER)
 
 
-def check_order(order: Sequence[str]) -> tuple[str, ...]:
-    """The mesh axis order from a Paddle `hybrid_configs["order"]`-style list (Paddle's axes
-    that fleetjax's mesh lacks, 'sep' and 'cp', are skipped)."""
+def check_order(order: Sequence[str], sequence: Sequence[str] = ()) -> tuple[str, ...]:
+    """The mesh axis order from a Paddle `hybrid_configs["order"]`-style list: its axes that
+    the mesh has, the `sequence` axes ('sep', 'cp') only where they are listed there."""
     order = tuple(order)
     unknown = [a for a in order if a not in HYBRID_AXES]
-    if unknown or len(set(order)) != len(order) or not set(AXES) <= set(order):
+    if unknown or len(set(order)) != len(order) or not set(REQUIRED_AXES) <= set(order):
         raise ValueError(
-            f"order must name each of {', '.join(AXES)} exactly once (Paddle's 'sep' and "
-            f"'cp' may also appear and are skipped), got {list(order)}"
+            f"order must name each of {', '.join(REQUIRED_AXES)} exactly once (and 'sep' and "
+            f"'cp' at most once each), got {list(order)}"
         )
-    return tuple(a for a in order if a in AXES)
+    missing = [a for a in sequence if a not in order]
+    if missing:
+        raise ValueError(
+            f"order must name {missing[0]!r}, whose degree is above 1, got {list(order)}"
+        )
+    return tuple(a for a in order if a in REQUIRED_AXES or a in sequence)
 
 
 def _default_devices() -> list[jax.Device]:
@@ -73,16 +83,22 @@ def build_mesh(
     order: Sequence[str] | None = None,
     devices: Sequence[jax.Device] | None = None,
     axis_types: AxisType | None = None,
+    *,
+    sep: int = 1,
+    cp: int = 1,
 ) -> Mesh:
-    """A `jax.sharding.Mesh` with axes `dp`, `sharding`, `pp` and `mp`.
+    """A `jax.sharding.Mesh` with axes `dp`, `sharding`, `pp` and `mp`, and `sep` and `cp`
+    where their degree is above 1.
 
     Args:
       dp, sharding, pp, mp: the degrees (Paddle's `dp_degree`, `sharding_degree`,
         `pp_degree`, `mp_degree`); `dp=-1` takes all devices the others leave.
       order: the axis order, slowest-varying first (Paddle's `hybrid_configs["order"]`);
-        default Paddle's `dp, pp, sharding, mp`, so `mp` neighbours share a host.
+        default Paddle's `dp, pp, sharding, sep, cp, mp`, so `mp` neighbours share a host.
       devices: the devices, in order; default all devices, grouped by process.
       axis_types: `AxisType.Auto` (default; GSPMD propagates shardings) or `Explicit`.
+      sep, cp: the sequence axes' degrees (Paddle's `sep_degree`: the sequence split and heads
+        exchanged around attention; `cp_degree`: ring attention over the split sequence).
 
     Raises:
       ValueError: if a degree is not a positive int (or -1 for dp), `devices` is empty or
@@ -90,29 +106,33 @@ def build_mesh(
         states both, and on CPU how to simulate more devices).
     """
     devices = _checked_devices(devices)
-    degrees = {"dp": dp, "sharding": sharding, "pp": pp, "mp": mp}
+    degrees = {"dp": dp, "sharding": sharding, "pp": pp, "sep": sep, "cp": cp, "mp": mp}
     for axis, degree in degrees.items():
         allowed = (-1,) if axis == "dp" else ()
         if not isinstance(degree, (int, np.integer)) or (degree < 1 and degree not in allowed):
             want = "-1 or a positive int" if axis == "dp" else "a positive int"
             raise ValueError(f"{axis} degree must be {want}, got {degree!r}")
-    others = sharding * pp * mp
+    shown = [a for a in AXES if a in REQUIRED_AXES or degrees[a] > 1]
+    others = math.prod(degrees[a] for a in shown if a != "dp")
     if dp == -1:
         if len(devices) % others:
             raise ValueError(
                 f"cannot infer dp: {len(devices)} devices are not divisible by "
-                f"sharding x pp x mp = {sharding} x {pp} x {mp} = {others}"
+                f"{' x '.join(a for a in shown if a != 'dp')} = "
+                f"{' x '.join(str(degrees[a]) for a in shown if a != 'dp')} = {others}"
             )
         degrees["dp"] = len(devices) // others
     total = math.prod(degrees.values())
     if total != len(devices):
         raise ValueError(
-            "dp x sharding x pp x mp = "
-            + " x ".join(str(degrees[a]) for a in AXES)
+            " x ".join(shown)
+            + " = "
+            + " x ".join(str(degrees[a]) for a in shown)
             + f" = {total}, but there are {len(devices)} devices"
             + _simulation_hint(devices, total)
         )
-    names = check_order(order if order is not None else DEFAULT_ORDER)
+    sequence = tuple(a for a in SEQUENCE_AXES if degrees[a] > 1)
+    names = check_order(order if order is not None else DEFAULT_ORDER, sequence)
     grid = np.array(devices, dtype=object).reshape([degrees[a] for a in names])
     types = (axis_types or AxisType.Auto,) * len(names)
     return Mesh(grid, names, axis_types=types)

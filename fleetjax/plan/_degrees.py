@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 from jax.sharding import Mesh
 
 from fleetjax._schema import DEFAULT_ORDER
 from fleetjax._warnings import warn_once
-from fleetjax.mesh import AXES, build_mesh, check_order
+from fleetjax.mesh import AXES, SEQUENCE_AXES, build_mesh, check_order
 from fleetjax.plan._values import Degrees, Plan
 from fleetjax.strategy import DistributedStrategy, Strategy
 
 # hybrid_configs degrees of axes fleetjax's mesh does not have yet.
-_NO_AXIS = ("sep_degree", "cp_degree", "cp_sharding_degree", "ep_degree", "moe_sharding_degree")
+_NO_AXIS = ("ep_degree", "moe_sharding_degree")
 
 
 def strategy_degrees(strategy: DistributedStrategy | Strategy) -> Degrees:
@@ -24,6 +25,10 @@ def strategy_degrees(strategy: DistributedStrategy | Strategy) -> Degrees:
     or `tensor_parallel_configs` when `tensor_parallel` is on; a degree set in two of them to
     different values is an error. `Strategy` reads `sharding.degree` and `pipeline.pp_degree`
     of the enabled sections.
+
+    As in Paddle, the context-parallel group is carved out of the sharding group:
+    `sharding_degree` = `cp_sharding_degree` x `cp_degree`, and the mesh's `sharding` axis has
+    `cp_sharding_degree` devices.
     """
     if isinstance(strategy, Strategy):
         return Degrees(
@@ -37,9 +42,10 @@ def strategy_degrees(strategy: DistributedStrategy | Strategy) -> Degrees:
                 f"hybrid_configs.{name}={hybrid[name]}: fleetjax's mesh has no such axis yet; "
                 f"its axes are {', '.join(AXES)}"
             )
-    keys = {a: f"{a}_degree" for a in AXES}
+    keys = {a: f"{a}_degree" for a in AXES if a != "cp"}
     sources = [("hybrid_configs", hybrid, keys)]
     if strategy.sharding:
+        keys = {a: k for a, k in keys.items() if a != "sep"}  # sharding_configs has no sep
         sources.append(("sharding_configs", strategy.sharding_configs, keys))
     if strategy.tensor_parallel:
         keys = {"mp": "tensor_parallel_degree"}
@@ -59,7 +65,32 @@ def strategy_degrees(strategy: DistributedStrategy | Strategy) -> Degrees:
             degrees[axis], where[axis] = value, f"{label}.{key}"
     if strategy.sharding and "sharding" not in where:
         degrees["sharding"] = strategy.sharding_configs["sharding_degree"]  # Paddle's 8
+    degrees["sharding"], degrees["cp"] = _context_parallel(hybrid, degrees["sharding"])
     return Degrees(**degrees)
+
+
+def _context_parallel(hybrid: Any, sharding: int) -> tuple[int, int]:
+    """(the mesh's sharding axis, its cp axis) from Paddle's sharding_degree and
+    `hybrid_configs`' cp_degree and cp_sharding_degree.
+
+    Raises:
+      ValueError: if cp_degree does not divide sharding_degree, or cp_sharding_degree is set
+        to another value than sharding_degree / cp_degree.
+    """
+    cp = hybrid["cp_degree"]
+    if sharding % cp:
+        raise ValueError(
+            f"hybrid_configs.cp_degree={cp} must divide the sharding degree ({sharding}): as "
+            "in Paddle, the context-parallel group is carved out of the sharding group "
+            "(cp_sharding_degree = sharding_degree / cp_degree); set sharding_degree to a "
+            f"multiple of {cp}"
+        )
+    if hybrid.is_set("cp_sharding_degree") and hybrid["cp_sharding_degree"] != sharding // cp:
+        raise ValueError(
+            f"hybrid_configs.cp_sharding_degree={hybrid['cp_sharding_degree']} must be "
+            f"sharding_degree / cp_degree = {sharding} / {cp} = {sharding // cp}"
+        )
+    return sharding // cp, cp
 
 
 def set_degrees(strategy: DistributedStrategy | Strategy) -> tuple[str, ...]:
@@ -75,9 +106,12 @@ def set_degrees(strategy: DistributedStrategy | Strategy) -> tuple[str, ...]:
 
 
 def strategy_order(strategy: DistributedStrategy | Strategy) -> tuple[str, ...]:
-    """The mesh axis order, slowest-varying first (Paddle's `hybrid_configs["order"]`)."""
+    """The mesh axis order, slowest-varying first (Paddle's `hybrid_configs["order"]`), with
+    the sequence axes whose degree is above 1."""
     if isinstance(strategy, DistributedStrategy):
-        return check_order(strategy.hybrid_configs["order"])
+        degrees = strategy_degrees(strategy)
+        sequence = tuple(a for a in SEQUENCE_AXES if getattr(degrees, a) > 1)
+        return check_order(strategy.hybrid_configs["order"], sequence)
     return check_order(DEFAULT_ORDER)
 
 
@@ -96,7 +130,10 @@ def mesh_for(plan: Plan, devices: Sequence[jax.Device] | None = None) -> Mesh:
             "number of stages, or pass a mesh with a pp axis (Paddle's auto-parallel takes "
             "the stages from the model's process meshes)"
         )
-    return build_mesh(*plan.degrees, order=plan.order, devices=devices)
+    d = plan.degrees
+    return build_mesh(
+        d.dp, d.sharding, d.pp, d.mp, order=plan.order, devices=devices, sep=d.sep, cp=d.cp
+    )
 
 
 def check_mesh(plan: Plan, mesh: Mesh) -> None:

@@ -18,12 +18,15 @@ REPLICA_PARAMS_SWITCHES = ("localsgd", "adaptive_localsgd", "geo")
 
 
 class Degrees(NamedTuple):
-    """The mesh degrees; `dp=-1` means all devices the others leave."""
+    """The mesh degrees; `dp=-1` means all devices the others leave. `sharding` is the mesh's
+    `sharding` axis: with context parallelism, Paddle's `cp_sharding_degree`."""
 
     dp: int = -1
     sharding: int = 1
     pp: int = 1
     mp: int = 1
+    sep: int = 1
+    cp: int = 1
 
 
 class NoEffect(NamedTuple):

@@ -55,11 +55,13 @@ def mesh(
     order: Sequence[str] | None = None,
     axis_types: AxisType | None = None,
     per_host: int = 8,
+    sep: int = 1,
+    cp: int = 1,
 ) -> Mesh:
     """`fleetjax.build_mesh` over `devices(target, count, per_host=per_host)`.
 
-    With the default axis order (`dp, pp, sharding, mp`) the `mp` neighbours share a host, so
-    tensor parallelism of up to `per_host` stays on NVLink.
+    With the default axis order (`dp, pp, sharding, sep, cp, mp`) the `mp` neighbours share a
+    host, so tensor parallelism of up to `per_host` stays on NVLink.
 
     Raises:
       ValueError, RuntimeError: as `devices` and `build_mesh` do.
@@ -72,6 +74,8 @@ def mesh(
         order=order,
         devices=devices(target, count, per_host=per_host),
         axis_types=axis_types,
+        sep=sep,
+        cp=cp,
     )
 
 

@@ -4,7 +4,12 @@ Token embedding (`VocabParallelEmbedding`) plus learned positions; N pre-LayerNo
 causal multi-head attention (q, k and v from one `ColumnParallelLinear`, heads split over
 ``mp``; the output projection a `RowParallelLinear`) and an MLP (`ColumnParallelLinear` ->
 gelu -> `RowParallelLinear`); a final LayerNorm, a vocabulary-parallel output projection and
-`ParallelCrossEntropy`. Each block costs two all-reduces over ``mp`` in the forward pass.
+`ParallelCrossEntropy`. Each block costs two all-reduces over ``mp`` in the forward pass; with
+`GPTConfig.sequence_parallel` (Megatron's sequence parallelism, Paddle's sequence-parallel
+linears) each is a reduce-scatter and an all-gather instead. Attention is
+`fleetjax.layers.attention`: over a mesh with ``sep`` or ``cp`` axes the sequence is split and
+attention exchanges heads (``sep``) or runs as a ring (``cp``); under ``cp`` the model keeps its
+tokens in the ring's load-balanced order (`fleetjax.layers.to_load_balanced`).
 
 The blocks' parameters are stacked on a leading layer axis (logical name ``"layers"``) and run
 by a `lax.scan` whose body is marked with `fleetjax.recompute`; the model is also cut into
@@ -21,7 +26,7 @@ by a `lax.scan` whose body is marked with `fleetjax.recompute`; the model is als
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 from typing import Any
 
 import jax
@@ -32,13 +37,17 @@ from jax.sharding import Mesh
 import fleetjax
 from fleetjax.layers import (
     ColumnParallelLinear,
+    ColumnSequenceParallelLinear,
     LogicalRules,
     ParallelCrossEntropy,
     RowParallelLinear,
+    RowSequenceParallelLinear,
     VocabParallelEmbedding,
+    attention,
     constrain,
     logical_param,
     partition_specs,
+    to_load_balanced,
 )
 from fleetjax.transforms.pipeline import PipelineLayer, PipelineParams
 
@@ -49,7 +58,8 @@ Batch = dict[str, jax.Array]
 # sharding it arrives with, except where ROWS splits it over the data axes (inside a pipeline,
 # where each device runs its own replica, those axes are manual and the constraint leaves them).
 HIDDEN = ("activation_length", "activation_embed")  # the residual stream [batch, length, embed]
-ROWS = ("activation_batch", *HIDDEN)  # and its rows over the data axes
+# Under sequence parallelism the residual stream's sequence is split over mp too.
+SEQUENCE_PARALLEL_HIDDEN = ("activation_norm_length", "activation_embed")
 HEADS = ("activation_length", "activation_heads", "activation_kv")  # q, k, v
 
 
@@ -69,6 +79,8 @@ class GPTConfig:
       hidden_dropout_prob: dropout of the embeddings and of each block's attention and MLP
         outputs (Paddle GPT's, which defaults to 0.1; 0 here). Above 0 the model's functions
         need a PRNG key: `make_train_step(..., has_rng=True)`.
+      sequence_parallel: Megatron's sequence parallelism over mp (Paddle GPT's): the
+        sequence-parallel linears, and the residual stream split along the sequence over mp.
     """
 
     vocab_size: int = 128
@@ -80,6 +92,7 @@ class GPTConfig:
     initializer_range: float = 0.02
     layer_norm_epsilon: float = 1e-5
     hidden_dropout_prob: float = 0.0
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.hidden_dropout_prob < 1:
@@ -88,7 +101,7 @@ class GPTConfig:
             )
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name == "hidden_dropout_prob":
+            if field.name in ("hidden_dropout_prob", "sequence_parallel"):
                 continue
             if field.type == "int" and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"GPTConfig.{field.name} must be an int, got {value!r}")
@@ -103,6 +116,22 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def hidden(self) -> tuple[str, str]:
+        """The residual stream's logical names (its sequence split over mp too under sequence
+        parallelism)."""
+        return SEQUENCE_PARALLEL_HIDDEN if self.sequence_parallel else HIDDEN
+
+    def linears(self) -> tuple[Any, Any]:
+        """The column- and row-parallel linear layers (Paddle's sequence-parallel ones under
+        sequence parallelism, along this model's sequence dimension, 1)."""
+        if not self.sequence_parallel:
+            return ColumnParallelLinear, RowParallelLinear
+        return (
+            functools.partial(ColumnSequenceParallelLinear, sequence_axis=1),
+            functools.partial(RowSequenceParallelLinear, sequence_axis=1),
+        )
 
 
 def _dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
@@ -134,7 +163,7 @@ class Embed(nnx.Module):
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs) -> None:
         init = nnx.initializers.normal(config.initializer_range)
-        self.dropout = config.hidden_dropout_prob
+        self.dropout, self.hidden = config.hidden_dropout_prob, config.hidden
         self.word_embeddings = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, weight_init=init, rngs=rngs
         )
@@ -153,9 +182,9 @@ class Embed(nnx.Module):
                 f"sequences of {tokens.shape[-1]} tokens are longer than "
                 f"max_position_embeddings={longest}"
             )
-        positions = self.position_embeddings[: tokens.shape[-1]]
-        h = _dropout(self.word_embeddings(tokens) + positions, self.dropout, key)
-        return constrain(h, HIDDEN)
+        positions = to_load_balanced(self.position_embeddings[: tokens.shape[-1]], axis=0)
+        h = self.word_embeddings(to_load_balanced(tokens)) + positions
+        return constrain(_dropout(h, self.dropout, key), self.hidden)
 
 
 class Attention(nnx.Module):
@@ -165,12 +194,11 @@ class Attention(nnx.Module):
         init = nnx.initializers.normal(config.initializer_range)
         self.config = config
         width = config.hidden_size
-        self.qkv_proj = ColumnParallelLinear(
+        column, row = config.linears()
+        self.qkv_proj = column(
             width, 3 * width, has_bias=True, gather_output=False, weight_init=init, rngs=rngs
         )
-        self.out_proj = RowParallelLinear(
-            width, width, input_is_parallel=True, weight_init=init, rngs=rngs
-        )
+        self.out_proj = row(width, width, input_is_parallel=True, weight_init=init, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         batch, length, width = x.shape
@@ -179,10 +207,8 @@ class Attention(nnx.Module):
         # columns holds whole heads, so attention needs no communication.
         qkv = self.qkv_proj(x).reshape(batch, length, heads, 3, head_dim)
         q, k, v = (constrain(qkv[..., i, :], HEADS) for i in range(3))
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head_dim)
-        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
-        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-        out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+        # The tokens are in the load-balanced order since the embedding (see Embed).
+        out = attention(q, k, v, is_causal=True, load_balanced=True)
         return self.out_proj(out.reshape(batch, length, width))
 
 
@@ -191,11 +217,12 @@ class Block(nnx.Module):
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs) -> None:
         init = nnx.initializers.normal(config.initializer_range)
-        self.dropout = config.hidden_dropout_prob
+        self.dropout, self.hidden = config.hidden_dropout_prob, config.hidden
+        column, row = config.linears()
         self.ln_1 = _layer_norm(config, rngs)
         self.attn = Attention(config, rngs=rngs)
         self.ln_2 = _layer_norm(config, rngs)
-        self.fc_in = ColumnParallelLinear(
+        self.fc_in = column(
             config.hidden_size,
             config.intermediate_size,
             has_bias=True,
@@ -203,7 +230,7 @@ class Block(nnx.Module):
             weight_init=init,
             rngs=rngs,
         )
-        self.fc_out = RowParallelLinear(
+        self.fc_out = row(
             config.intermediate_size,
             config.hidden_size,
             input_is_parallel=True,
@@ -216,7 +243,7 @@ class Block(nnx.Module):
         h = h + _dropout(self.attn(self.ln_1(h)), self.dropout, attn_key)
         mlp = self.fc_out(jax.nn.gelu(self.fc_in(self.ln_2(h)), approximate=False))
         h = h + _dropout(mlp, self.dropout, mlp_key)
-        return constrain(h, HIDDEN)
+        return constrain(h, self.hidden)
 
 
 class Head(nnx.Module):
@@ -224,7 +251,7 @@ class Head(nnx.Module):
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs) -> None:
         self.ln_f = _layer_norm(config, rngs)
-        self.lm_head = ColumnParallelLinear(
+        self.lm_head = config.linears()[0](
             config.hidden_size,
             config.vocab_size,
             gather_output=False,
@@ -234,8 +261,8 @@ class Head(nnx.Module):
         self.loss = ParallelCrossEntropy()
 
     def __call__(self, h: jax.Array, labels: jax.Array) -> jax.Array:
-        """The mean next-token loss."""
-        return jnp.mean(self.loss(self.lm_head(self.ln_f(h)), labels))
+        """The mean next-token loss (the labels in the tokens' order, see Embed)."""
+        return jnp.mean(self.loss(self.lm_head(self.ln_f(h)), to_load_balanced(labels)))
 
 
 class GPT(nnx.Module):
@@ -279,9 +306,10 @@ class GPTFunctions:
         the blocks marked for recompute, their rows kept split over the data axes (without a
         pipeline nothing else splits them, and XLA might gather the activations instead of
         the parameters that ZeRO-3 splits over `sharding`)."""
+        rows = ("activation_batch", *self.config.hidden)  # the rows over the data axes
         return PipelineLayer(
-            lambda p, batch, *key: constrain(self.embed(p, batch, *key), ROWS),
-            fleetjax.recompute(lambda p, h, *key: constrain(self.stage(p, h, *key), ROWS)),
+            lambda p, batch, *key: constrain(self.embed(p, batch, *key), rows),
+            fleetjax.recompute(lambda p, h, *key: constrain(self.stage(p, h, *key), rows)),
             self.head_loss,
             num_virtual_pipeline_stages=num_virtual_pipeline_stages,
         )

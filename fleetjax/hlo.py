@@ -104,17 +104,35 @@ def replica_groups(line: str) -> tuple[tuple[int, ...], ...] | None:
         ids = _iota(m["dims"], m["perm"]).reshape(int(m["groups"]), int(m["size"]))
         return tuple(tuple(int(x) for x in group) for group in ids)
     if m := _MESH_GROUPS.search(line):
-        axes = [item.split("=") for item in m["axes"].split(",")]
-        names = [name.strip().strip("'") for name, _ in axes]
-        sizes = [int(size) for _, size in axes]
-        ids = np.arange(math.prod(sizes)) if m["dims"] is None else _iota(m["dims"], m["perm"])
-        ids = ids.reshape(sizes)
-        grouped = [names.index(n.strip().strip("'")) for n in m["names"].split(",") if n.strip()]
-        rest = [i for i in range(len(sizes)) if i not in grouped]
-        size = math.prod(sizes[i] for i in grouped)
-        ids = ids.transpose(rest + grouped).reshape(-1, size)
-        return tuple(tuple(int(x) for x in group) for group in ids)
+        return _mesh_groups(m)
     return None
+
+
+def _mesh_groups(m: re.Match[str]) -> tuple[tuple[int, ...], ...]:
+    """The groups of XLA's mesh form: ``mesh['a'=2,'b'=4] {'b'}``, where a named axis may be
+    a sub-axis, ``'b':(2)2``: the 2 devices of ``b`` after a stride of 2 (its minor half)."""
+    axes = [item.split("=") for item in m["axes"].split(",")]
+    names = [name.strip().strip("'") for name, _ in axes]
+    sizes = [int(size) for _, size in axes]
+    ids = np.arange(math.prod(sizes)) if m["dims"] is None else _iota(m["dims"], m["perm"])
+    # Each axis as (major, sub-axis, minor) dimensions, so that a sub-axis is a dimension too.
+    grouped = []
+    dims: list[int] = []
+    for n in (n.strip() for n in m["names"].split(",") if n.strip()):
+        name, _, sub = n.partition(":")
+        axis = names.index(name.strip("'"))
+        pre, size = (1, sizes[axis]) if not sub else map(int, re.findall(r"\d+", sub))
+        grouped.append((axis, pre, size))
+    for axis, size in enumerate(sizes):
+        subs = [(pre, n) for a, pre, n in grouped if a == axis]
+        pre, n = subs[0] if subs else (size, 1)
+        dims += [pre, n, size // (pre * n)]
+    ids = ids.reshape(dims)
+    chosen = [3 * axis + 1 for axis, _, _ in grouped]
+    rest = [d for d in range(len(dims)) if d not in chosen]
+    size = math.prod(dims[d] for d in chosen)
+    ids = ids.transpose(rest + chosen).reshape(-1, size)
+    return tuple(tuple(int(x) for x in group) for group in ids)
 
 
 def _elements(tuple_shape: str) -> list[str]:

@@ -26,6 +26,14 @@ def test_mesh_groups_over_one_axis():
     assert collectives(line)[0].group_size == 4
 
 
+def test_mesh_groups_over_a_sub_axis():
+    # 'b':(2)2 is the minor half of axis b (size 4): devices b=0,1 vs b=2,3 pair up by stride.
+    line = "%x = f32[4] all-to-all(%y), replica_groups=mesh['a'=2,'b'=4] {'b':(2)2}"
+    assert collectives(line)[0].groups == ((0, 1), (2, 3), (4, 5), (6, 7))
+    line = "%x = f32[4] all-to-all(%y), replica_groups=mesh['a'=2,'b'=4] {'b':(1)2}"
+    assert collectives(line)[0].groups == ((0, 2), (1, 3), (4, 6), (5, 7))
+
+
 def test_stablehlo_dtypes():
     text = "\n".join(
         [

@@ -8,12 +8,17 @@ that place their parameters and activations on the mesh.
     with jax.set_mesh(mesh):                                   # Auto or Explicit axes
         loss = jax.jit(loss_fn, in_shardings=(shardings, batch_sharding))(state, batch)
 
+`attention` splits the sequence over Paddle's ``sep`` (all-to-all) and ``cp`` (ring attention)
+axes; the sequence-parallel layers (`ColumnSequenceParallelLinear`, ...) are Megatron's sequence
+parallelism over ``mp``.
+
 Parameters name their dimensions with logical axes (``"vocab"``, ``"embed"``, ``"mlp"``); the
 rules (`DEFAULT_RULES`, overridable) map the split ones to ``mp``, a sparse table's rows
 (``"table_rows"``) to every mesh axis, and activations' batch to ``dp`` x ``sharding``.
 """
 
 from fleetjax.layers._params import logical_param
+from fleetjax.layers.attention import attention, to_load_balanced, to_natural
 from fleetjax.layers.batch_norm import BatchNorm
 from fleetjax.layers.cross_entropy import ParallelCrossEntropy, parallel_cross_entropy
 from fleetjax.layers.embedding import VocabParallelEmbedding
@@ -27,6 +32,18 @@ from fleetjax.layers.partitioning import (
     logical_to_spec,
     partition_specs,
 )
+from fleetjax.layers.sequence_parallel import (
+    AllGatherOp,
+    ColumnSequenceParallelLinear,
+    GatherOp,
+    ReduceScatterOp,
+    RowSequenceParallelLinear,
+    ScatterOp,
+    is_sequence_parallel_parameter,
+    mark_as_sequence_parallel_parameter,
+    register_sequence_parallel_allreduce_hooks,
+    sequence_parallel_options,
+)
 from fleetjax.layers.sparse_embedding import (
     SparseEmbedding,
     SparseTable,
@@ -36,14 +53,27 @@ from fleetjax.layers.sparse_embedding import (
 )
 
 __all__ = [
+    "AllGatherOp",
     "BatchNorm",
     "ColumnParallelLinear",
+    "ColumnSequenceParallelLinear",
+    "GatherOp",
+    "ReduceScatterOp",
+    "RowSequenceParallelLinear",
+    "ScatterOp",
     "ParallelCrossEntropy",
     "RowParallelLinear",
     "SparseEmbedding",
     "SparseTable",
     "VocabParallelEmbedding",
     "parallel_cross_entropy",
+    "attention",
+    "is_sequence_parallel_parameter",
+    "mark_as_sequence_parallel_parameter",
+    "register_sequence_parallel_allreduce_hooks",
+    "sequence_parallel_options",
+    "to_load_balanced",
+    "to_natural",
     "DEFAULT_RULES",
     "LogicalNames",
     "LogicalRules",

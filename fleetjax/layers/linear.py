@@ -125,7 +125,11 @@ class RowParallelLinear(nnx.Module):
         # On Explicit axes the sum over the split contracting dimension needs its output's
         # sharding: whole over mp, which is the all-reduce.
         y = jnp.matmul(x, self.weight[...], out_sharding=out_sharding(x, x.ndim - 1, (None,)))
-        y = constrain(y, (None,))
+        y = self._summed(y)
         if self.bias is not None:
             y = y + self.bias[...]
         return y
+
+    def _summed(self, y: jax.Array) -> jax.Array:
+        """The partial products summed over ``mp``: whole on every device (an all-reduce)."""
+        return constrain(y, (None,))

@@ -35,6 +35,7 @@ __all__ = [
     "LogicalRules",
     "constrain",
     "current_rules",
+    "free_axes",
     "logical_to_spec",
     "out_sharding",
     "partition_specs",
@@ -55,14 +56,22 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("layers", None),
     # A sparse table's rows are split over every device (fleetjax.layers.SparseEmbedding).
     ("table_rows", ("dp", "sharding", "pp", "mp")),
-    # Activations: the batch is split over the data axes, features as their weights are.
+    # Activations: the batch is split over the data axes, features as their weights are, the
+    # sequence over the sequence axes (segment and context parallelism).
     ("activation_batch", ("dp", "sharding")),
-    ("activation_length", None),
+    ("activation_length", ("cp", "sep")),
     ("activation_embed", None),
     ("activation_mlp", "mp"),
     ("activation_heads", "mp"),
     ("activation_kv", None),
     ("activation_vocab", "mp"),
+    # Megatron's sequence parallelism: outside the tensor-parallel matmuls (LayerNorm, dropout,
+    # the residual stream) the sequence is split over mp too.
+    ("activation_norm_length", ("cp", "sep", "mp")),
+    # Inside Ulysses' all-to-all (fleetjax.layers.attention): the sequence whole within a cp
+    # block, the heads over mp x sep.
+    ("activation_attention_length", "cp"),
+    ("activation_attention_heads", ("mp", "sep")),
 )
 
 
@@ -128,7 +137,7 @@ def _resolve(
             "e.g. partition_specs(..., rules=[(name, 'mp')]) or flax's "
             f"nnx.logical_axis_rules([...]). Names with rules: {sorted(known)}"
         )
-    usable = None if mesh is None else set(_free_axes(mesh))
+    usable = None if mesh is None else set(free_axes(mesh))
     assigned: list[tuple[str, ...] | None] = [None] * len(names)
     used = set(taken)
     for rule_name, rule_axes in rules:
@@ -148,7 +157,7 @@ def _entry(axes: tuple[str, ...] | None) -> MeshAxes:
     return axes[0] if len(axes) == 1 else axes
 
 
-def _free_axes(mesh: Mesh | AbstractMesh) -> tuple[str, ...]:
+def free_axes(mesh: Mesh | AbstractMesh) -> tuple[str, ...]:
     """The mesh axes a spec may use: all but the manual ones (inside a `shard_map`)."""
     types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
     return tuple(a for a in mesh.axis_names if types[a] != AxisType.Manual)
@@ -245,16 +254,25 @@ def _check_divisible(
 # -- activations -------------------------------------------------------------------------------
 
 
-def constrain(x: jax.Array, names: LogicalNames, *, rules: LogicalRules | None = None) -> jax.Array:
-    """`x` with its trailing dimensions split as the logical `names` say.
+def constrain(
+    x: jax.Array,
+    names: LogicalNames,
+    *,
+    rules: LogicalRules | None = None,
+    axis: int | None = None,
+) -> jax.Array:
+    """`x` with its trailing dimensions (or those from `axis` on) split as the logical `names`
+    say.
 
-    `names` name the last ``len(names)`` dimensions; the leading ones keep their sharding. The
+    `names` name the last ``len(names)`` dimensions, or with `axis` the ``len(names)``
+    dimensions from `axis` on; the others keep their sharding. The
     mesh is the one set with `jax.set_mesh`, else the one `x`'s type carries (an array placed
     with a `NamedSharding`); with neither, `x` is returned as is (one device: nothing to split).
     On `AxisType.Auto` axes this is `jax.lax.with_sharding_constraint` (a hint GSPMD follows);
     on `AxisType.Explicit` axes, `jax.sharding.reshard` (the sharding is part of the type).
     """
-    target = _target(x, x.ndim - len(names), names, rules)
+    keep = x.ndim - len(names) if axis is None else axis % x.ndim
+    target = _target(x, keep, names, rules, x.ndim - keep - len(names))
     if target is None:
         return x
     sharding, explicit = target
@@ -275,15 +293,16 @@ def out_sharding(
 
 
 def _target(
-    x: jax.Array, keep: int, names: LogicalNames, rules: LogicalRules | None
+    x: jax.Array, keep: int, names: LogicalNames, rules: LogicalRules | None, after: int = 0
 ) -> tuple[NamedSharding, bool] | None:
-    """(the sharding of `x`'s first `keep` dimensions then `names`, whether it is explicit)."""
-    if keep < 0:
+    """(the sharding of `x`'s first `keep` dimensions, then `names`, then its last `after`
+    dimensions, whether it is explicit)."""
+    if keep < 0 or after < 0:
         raise ValueError(f"{len(names)} logical names {names} for an array of rank {x.ndim}")
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         mesh = getattr(jax.typeof(x).sharding, "mesh", mesh)
-    free = _free_axes(mesh) if not mesh.empty else ()
+    free = free_axes(mesh) if not mesh.empty else ()
     if not free:
         return None
     types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
@@ -296,12 +315,13 @@ def _target(
     explicit = kinds == {AxisType.Explicit}
     if explicit:
         current = tuple(jax.typeof(x).sharding.spec)
-        lead = (*current, *(None,) * (x.ndim - len(current)))[:keep]
+        kept = (*current, *(None,) * (x.ndim - len(current)))
     else:
-        lead = (PartitionSpec.UNCONSTRAINED,) * keep
-    taken = [a for entry in lead if isinstance(entry, (str, tuple)) for a in _axes(entry)]
-    trailing = _resolve(tuple(names), current_rules(rules), mesh, taken)
-    return NamedSharding(mesh, PartitionSpec(*lead, *trailing)), explicit
+        kept = (PartitionSpec.UNCONSTRAINED,) * x.ndim
+    lead, tail = kept[:keep], kept[x.ndim - after :] if after else ()
+    taken = [a for entry in (*lead, *tail) if isinstance(entry, (str, tuple)) for a in _axes(entry)]
+    named = _resolve(tuple(names), current_rules(rules), mesh, taken)
+    return NamedSharding(mesh, PartitionSpec(*lead, *named, *tail)), explicit
 
 
 def _axes(entry: str | tuple[str, ...]) -> tuple[str, ...]:

@@ -14,11 +14,13 @@
   in-step merge (reduced once, not once per micro-batch). Otherwise XLA inserts the
   all-reduce itself, and per-replica optimizers (DGC, LocalSGD) communicate themselves;
 * all of it is traced in a `recompute.recompute_scope`, where the layers marked with
-  `fleetjax.recompute` are rematerialised by the plan's policy.
+  `fleetjax.recompute` are rematerialised by the plan's policy, and under
+  `mp_configs.recompute_allgather` (`fleetjax.layers.sequence_parallel_options`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -29,6 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from fleetjax._checks import check_pipeline_layers
+from fleetjax.layers import sequence_parallel_options
 from fleetjax.mesh import data_axes, data_parallel_size, restrict
 from fleetjax.placement import Placement
 from fleetjax.plan import Plan
@@ -101,19 +104,23 @@ def _reduced(
 
 
 def _recomputed(grad_fn: GradFn, plan: Plan, mesh: Mesh) -> GradFn:
-    """`grad_fn` traced with the layers marked for recompute under the plan's policy."""
+    """`grad_fn` traced with the layers marked for recompute under the plan's policy, and the
+    sequence-parallel layers under `mp_configs.recompute_allgather`."""
     r = plan.recompute
-    if r is None:
-        return grad_fn
 
     def traced(*args: Any) -> tuple[Outputs, Any]:
-        with recompute.recompute_scope(
-            r.checkpoints,
-            policy=r.policy,
-            offload=r.offload,
-            checkpoint_shape=r.checkpoint_shape,
-            replicas=data_parallel_size(mesh),
-        ):
+        scope = (
+            recompute.recompute_scope(
+                r.checkpoints,
+                policy=r.policy,
+                offload=r.offload,
+                checkpoint_shape=r.checkpoint_shape,
+                replicas=data_parallel_size(mesh),
+            )
+            if r is not None
+            else contextlib.nullcontext()
+        )
+        with scope, sequence_parallel_options(recompute_allgather=plan.recompute_allgather):
             return grad_fn(*args)
 
     return traced

@@ -347,20 +347,8 @@ MP_CONFIG = message(
             True,
             note="the train step places every batch on the mesh itself",
         ),
-        field(
-            9,
-            "recompute_allgather",
-            bool,
-            False,
-            note="sequence parallelism, whose all-gather this recomputes, is not in fleetjax",
-        ),
-        field(
-            10,
-            "sp_async_reduce_scatter",
-            bool,
-            False,
-            note="sequence parallelism, whose reduce-scatter this overlaps, is not in fleetjax",
-        ),
+        field(9, "recompute_allgather", bool, False),
+        field(10, "sp_async_reduce_scatter", bool, False),
         field(11, "nccl_config", NCCL_CONFIG, note=_NCCL_NOTE),
         # Python-only in Paddle (DistributedStrategy.sync_param_name).
         field(

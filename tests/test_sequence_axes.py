@@ -3,13 +3,16 @@ context parallelism (`cp_degree`, ring attention) and Megatron's sequence parall
 train to one device's losses, alone and with dp / sharding / mp / pp, and compile to the
 collectives they are made of, over the right axis."""
 
+import contextlib
 import dataclasses
+import io
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from hlo import collectives
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -18,7 +21,14 @@ from tiny_gpt import make_gpt
 
 import fleetjax
 from fleetjax import targets
-from fleetjax.layers import attention, to_load_balanced, to_natural
+from fleetjax.layers import (
+    ColumnSequenceParallelLinear,
+    attention,
+    sequence_parallel_options,
+    to_load_balanced,
+    to_natural,
+)
+from fleetjax.plan import read_plan
 from fleetjax.transforms.pipeline import PipelineLayer
 
 STEPS, ROWS = 2, 8
@@ -183,3 +193,48 @@ def test_sequence_parallel_turns_each_all_reduce_into_reduce_scatter_and_all_gat
     assert {op for op, _ in activations} == {"all-gather", "reduce-scatter"}
     assert activations.count(("all-gather", rows)) == len(megatron)
     assert activations.count(("reduce-scatter", half)) == len(megatron)
+
+
+def _saved(column, x):
+    """What the backward pass of `column` keeps: a line per residual, "f32[8,8,16] from ..."."""
+    graph, state = nnx.split(column)
+    loss = lambda state, x: jnp.sum(nnx.merge(graph, state)(x) ** 2)  # noqa: E731
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        jax.ad_checkpoint.print_saved_residuals(loss, state, x)
+    return printed.getvalue().splitlines()
+
+
+def test_recompute_allgather_keeps_the_split_input():
+    mesh = fleetjax.build_mesh(dp=4, mp=2)
+    x = jnp.ones((8, 8, 16))  # [batch, sequence, hidden], the sequence split over mp
+    make = lambda **kw: ColumnSequenceParallelLinear(  # noqa: E731
+        16, 32, gather_output=False, sequence_axis=1, rngs=nnx.Rngs(0), **kw
+    )
+    with jax.set_mesh(mesh):
+        kept = _saved(make(), x)
+        again = _saved(make(recompute_allgather=True), x)
+        with sequence_parallel_options(recompute_allgather=True):  # mp_configs' setting
+            from_strategy = _saved(make(), x)
+    assert any("sharding_constraint" in line for line in kept)  # the gathered input
+    for saved in (again, from_strategy):
+        assert not any("sharding_constraint" in line for line in saved)
+        assert "f32[8,8,16] from the argument x" in saved  # as it arrives: split over mp
+    assert read_plan(fleetjax.DistributedStrategy(
+        hybrid_configs={"mp_configs": {"recompute_allgather": True}}
+    )).recompute_allgather  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("mesh", "shape", "message"),
+    [
+        ({"sep": 4}, (2, 10, 8, 8), "sequence of 10 tokens .*its length must be a multiple of 4"),
+        ({"sep": 2, "cp": 2}, (2, 12, 8, 8), "multiple of 8 \\(sep_degree x cp_degree, and x 2"),
+        ({"sep": 4}, (2, 16, 6, 8), "6 attention heads do not split over mp x sep = 4"),
+        ({"sep": 2, "mp": 2}, (2, 16, 6, 8), "6 attention heads do not split over mp x sep = 4"),
+    ],
+)  # fmt: skip
+def test_shapes_the_sequence_axes_cannot_split_are_errors(mesh, shape, message):
+    q = jnp.ones(shape)
+    with jax.set_mesh(fleetjax.build_mesh(**mesh)), pytest.raises(ValueError, match=message):
+        attention(q, q, q)

@@ -106,9 +106,10 @@ def attention(
         )
     sep, cp = axis_ways("sep"), axis_ways(_ring.AXIS)
     _check_length(q.shape[1], sep * cp * (2 if cp > 1 else 1))
-    q, k, v = (constrain(x, HEADS) for x in (q, k, v))
     if sep > 1:
         _check_heads(q.shape[2], sep * axis_ways("mp"))
+    q, k, v = (constrain(x, HEADS) for x in (q, k, v))
+    if sep > 1:
         q, k, v = (constrain(x, ULYSSES) for x in (q, k, v))
     if cp == 1:
         out = jax.nn.dot_product_attention(

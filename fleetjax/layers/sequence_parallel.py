@@ -50,7 +50,6 @@ __all__ = [
 
 SPLIT = "activation_norm_length"  # the sequence in sequence-parallel regions (over mp too)
 GATHERED = "activation_length"  # the sequence inside the tensor-parallel matmuls
-ALLGATHER_NAME = "sequence_parallel_allgather"  # the gathered input recompute_allgather drops
 
 _RECOMPUTE_ALLGATHER = contextvars.ContextVar("recompute_allgather", default=False)
 
@@ -196,12 +195,11 @@ class ColumnSequenceParallelLinear(ColumnParallelLinear):
             return super().__call__(_gathered(x, self.sequence_axis))
 
         def gathered_then_linear(layer: ColumnParallelLinear, x: jax.Array) -> jax.Array:
-            whole = jax.ad_checkpoint.checkpoint_name(
-                _gathered(x, self.sequence_axis), ALLGATHER_NAME
-            )
-            return ColumnParallelLinear.__call__(layer, whole)
+            return ColumnParallelLinear.__call__(layer, _gathered(x, self.sequence_axis))
 
-        policy = jax.checkpoint_policies.save_anything_except_these_names(ALLGATHER_NAME)
+        # Nothing inside is kept: the backward pass gathers the input again (the matmul's
+        # output, which its backward does not need, is not recomputed).
+        policy = jax.checkpoint_policies.nothing_saveable
         return nnx.remat(gathered_then_linear, policy=policy)(self, x)
 
 

@@ -141,6 +141,7 @@ def _fleet_plan(s: DistributedStrategy) -> Plan:
         optimizer=switch,
         parameter_server=_parameter_server(s),
         sync_batch_norm=s.sync_batch_norm,
+        recompute_allgather=s.hybrid_configs["mp_configs"]["recompute_allgather"],
         auto=s.auto,
         xla_flags=_knobs.flags_for(s),
         no_effect=(

@@ -167,6 +167,9 @@ class Plan:
     optimizer: OptimizerSwitch | None = None
     parameter_server: ParameterServer = dataclasses.field(default_factory=ParameterServer)
     sync_batch_norm: bool | None = None  # None: the strategy has no such switch (`Strategy`)
+    # mp_configs.recompute_allgather: sequence-parallel column layers gather their input again
+    # in the backward pass (fleetjax.layers.sequence_parallel_options).
+    recompute_allgather: bool = False
     auto: bool = False  # DistributedStrategy.auto: `fleetjax.auto.search` picks the layout
     xla_flags: tuple[Flag, ...] = ()
     no_effect: tuple[NoEffect, ...] = ()

@@ -1203,8 +1203,9 @@ AUTO_PIPELINE = message(
             bool,
             False,
             note=(
-                "the zero-bubble split of the backward pass is not in fleetjax; the schedule_mode"
-                " runs"
+                "the schedule_mode decides whether the backward is split into its input and "
+                "weight gradients: ZBH1 and ZBVPP split it, the others do not; this flag changes "
+                "nothing"
             ),
         ),
         field(15, "auto_parallel_sync_shared_params", bool, False, note=_SPMD_SYNC),

@@ -80,11 +80,15 @@ def reference(params, batch, replicas, micro_batches, model=(embed, stage, head_
 CASES = [
     (mode, pp, m) for mode in ("FThenB", "1F1B") for pp in (2, 4) for m in (1, pp, 2 * pp + 1)
 ] + [("VPP", pp, m) for pp in (2, 4) for m in (pp, 2 * pp + 1)]
+# Eager1F1B and the zero-bubble schedules (backward split into B and W: tests/test_zero_bubble.py)
+CASES += [("ZBH1", 2, 2), ("ZBH1", 4, 9), ("ZBVPP", 2, 5), ("Eager1F1B", 2, 3)]
+CASES += [pytest.param(*c, marks=pytest.mark.slow) for c in [("ZBH1", 4, 4), ("ZBVPP", 4, 4)]]
+CASES += [pytest.param("Eager1F1B", 4, 8, marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize(("mode", "pp", "m"), CASES)
 def test_equals_unpipelined(mode, pp, m):
-    vpp = 2 if mode == "VPP" else 1
+    vpp = 2 if mode in ("VPP", "ZBVPP") else 1
     mesh = build_mesh(dp=1, pp=pp, devices=jax.devices()[:pp])
     params = make_params(2 * pp * vpp)  # chunks of two layers
     batch = make_batch(m * MICRO_BATCH_SIZE)
@@ -134,7 +138,7 @@ def test_wrong_batch_size_states_the_rule_and_the_numbers(rows):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"schedule_mode": "ZBH1"}, "schedule_mode must be one of 'FThenB', 'F-then-B'"),
+        ({"schedule_mode": "DualPipeV"}, "schedule_mode must be one of 'FThenB', 'F-then-B'"),
         ({"micro_batch_size": 0}, "micro_batch_size must be a positive int, got 0"),
         ({"accumulate_steps": 0}, r"micro_batches \(accumulate_steps\) must be a positive int"),
         (

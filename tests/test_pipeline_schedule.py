@@ -121,9 +121,10 @@ def test_vpp_table_follows_paddle_rounds():
 
 def test_unknown_schedule_lists_the_allowed_ones():
     with pytest.raises(ValueError) as error:
-        pipeline_schedule("Eager1F1B", 4, 8)
+        pipeline_schedule("DualPipeV", 4, 8)
     assert str(error.value) == (
-        "schedule_mode must be one of 'FThenB', 'F-then-B', '1F1B', 'VPP', got 'Eager1F1B'"
+        "schedule_mode must be one of 'FThenB', 'F-then-B', '1F1B', 'Eager1F1B', 'VPP', 'ZBH1', "
+        "'ZBVPP', got 'DualPipeV'"
     )
 
 

@@ -34,7 +34,6 @@ from fleetjax.plan._values import (
 )
 from fleetjax.strategy import DistributedStrategy, Strategy
 from fleetjax.transforms import amp
-from fleetjax.transforms.pipeline import SCHEDULE_MODES
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -436,11 +435,7 @@ def _loss_scaling(config: Any, dtype: str, where: str) -> LossScaling | None:
 
 
 def _pipeline(mode: str, micro_batch_size: int, accumulate_steps: int, vpp: int) -> Pipeline:
-    if mode not in SCHEDULE_MODES:
-        raise NotImplementedError(
-            f"pipeline schedule_mode {mode!r} is not available in this version of fleetjax; "
-            f"use one of {', '.join(SCHEDULE_MODES)}"
-        )
+    # The schema allows Paddle's schedule_mode values, and the pipeline builds each of them.
     return Pipeline(mode, micro_batch_size, accumulate_steps, vpp)
 
 

@@ -8,8 +8,10 @@ round-robin. Each data-parallel replica's rows are cut into ``accumulate_steps``
 
 One `jax.shard_map` over ``pp`` alone runs a `lax.scan` over the ticks of a schedule table (see
 `pipeline_schedule`). In a tick every stage runs, each under its own `lax.cond`, the forward
-and then the backward the table gives it; then activations `ppermute` to the next stage and
-cotangents to the previous one. A forward keeps its `jax.vjp` residuals in a buffer slot until
+and then the backward the table gives it (under the zero-bubble schedules ZBH1 and ZBVPP the
+backward's input-gradient half B, then a weight-gradient half W, of the same or an earlier
+micro-batch: `_split`); then activations `ppermute` to the next stage and cotangents to the
+previous one. A forward keeps its `jax.vjp` residuals in a buffer slot until
 its backward reads them. Under 1F1B the buffer is a ring of 2 P - 1 slots whatever m is
 (Paddle's MPMD 1F1B holds P: here a hop between stages costs a whole tick), so activation memory
 does not grow with the number of micro-batches; under FThenB it holds all m.
@@ -24,12 +26,14 @@ per step, and the kept residuals of a recomputed stage are its layers' inputs al
 
 The parts, each a module: `_model` (`PipelineParams`, `PipelineLayer`, the parts' keys and the
 layers' order), `_layers` (Paddle's `LayerDesc` list form of a `PipelineLayer`), `schedules`
-(the schedule tables and `SCHEDULE_MODES`, Paddle's spellings of them), `_timetable` (a
-schedule made executable: the buffer slot of every value kept across ticks, and its segments),
+(the schedule tables and `SCHEDULE_MODES`, Paddle's spellings of them), `_simulation` (how a
+table is made), `_timetable` (a schedule made executable: the buffer slot of every value kept
+across ticks, and its segments),
 `_program` (the `shard_map`), `_layout` (its axes and specs), `_shapes` (what it is built
 for), `_casts` (weights cast once per step), `_stage` (the per-stage program: a tick's forward
-half and its backward half), `_chunk` (a chunk's layers forward and backward), `_values`
-(buffers and sums). This module checks the arguments and runs the program, on Auto axes.
+half and its backward half), `_chunk` (a chunk's layers forward and backward), `_split` (a
+layer's backward cut into B and W), `_values` (buffers and sums). This module checks the
+arguments and runs the program, on Auto axes.
 """
 
 from __future__ import annotations
@@ -109,8 +113,10 @@ def pipeline(
         the compiler, and the batch is split over ``dp`` x ``sharding``.
       micro_batch_size: rows in a micro-batch of one data-parallel replica.
       accumulate_steps: micro-batches per step, m.
-      schedule_mode: "1F1B" (default), "FThenB" (or "F-then-B"), or "VPP".
-      vpp_degree: model chunks per stage for "VPP" (at least 2; then m >= pp_degree).
+      schedule_mode: "1F1B" (default), "Eager1F1B", "FThenB" (or "F-then-B"), "VPP", or the
+        zero-bubble "ZBH1" and "ZBVPP" (see `pipeline_schedule`).
+      vpp_degree: model chunks per stage for "VPP" and "ZBVPP" (at least 2; then m >=
+        pp_degree).
       has_aux: whether `head_loss` also returns a pytree of metrics (accuracy, ...): they come
         back in float32, averaged over the micro-batches and replicas as the loss is.
       has_rng: whether `embed`, `stage` and `head_loss` take a PRNG key (raw key data) as

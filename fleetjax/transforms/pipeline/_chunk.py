@@ -11,7 +11,10 @@ input alone.
 The backward is a reverse `lax.scan` over the chunk's layers whose carry is the cotangent and
 the accumulator: each layer's gradient is added where it belongs as soon as it is made, so no
 stack of a whole chunk's gradients is ever materialised (Megatron-LM fuses its weight-gradient
-accumulation likewise).
+accumulation likewise). Under a zero-bubble schedule it runs in two halves
+(`_split.SplitBackward`): `backward_input` (B, the reverse scan for the input's gradient, which
+also stacks each layer's carry) and `backward_weight` (W, each layer's weight gradients from its
+residuals and carry, added into the accumulator).
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import jaxpr_as_fun
 
+from fleetjax.transforms.pipeline._split import SplitBackward
+
 Layer = Callable[[Any, Any, Any, jax.Array], tuple[Any, Any]]
+_shape = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)  # noqa: E731
 
 
 class Chunk:
@@ -51,6 +57,8 @@ class Chunk:
         self._forward = jaxpr_as_fun(jaxpr)
         self._out_def = jax.tree.structure(out)
         self.shapes: list[jax.ShapeDtypeStruct] = residuals  # one layer's residuals
+        self._example = _shape((params, state, x))
+        self._split: SplitBackward | None = None
 
     def _layer(self, w: Any, s: Any, x: Any, key: jax.Array) -> tuple[tuple[Any, Any], list]:
         out = self._forward(*jax.tree.leaves((w, s, x, key)))
@@ -69,6 +77,22 @@ class Chunk:
         y, (new_s, residuals) = lax.scan(layer, x, (w, s, keys))
         return (y, new_s), residuals
 
+    def _layer_grads(self, inputs: tuple[Any, Any, list[jax.Array]], dy: Any) -> tuple[Any, Any]:
+        """One layer's (parameter gradients, input gradient) from its parameters, state and
+        kept residuals, and its output's cotangent `dy`."""
+        treedef, where = self._vjp_def
+        w_l, s_l, kept = inputs
+        params, stored = jax.tree.leaves((w_l, s_l)), iter(kept)
+        leaves = [next(stored) if j is None else params[j] for j in where]
+        return jax.tree.unflatten(treedef, leaves)(dy)
+
+    def split(self) -> SplitBackward:
+        """A layer's backward cut into B and W (traced once, when first asked for)."""
+        if self._split is None:
+            w, s, x = self._example
+            self._split = SplitBackward(self._layer_grads, (w, s, self.shapes), x)
+        return self._split
+
     def backward(
         self,
         w: Any,
@@ -83,18 +107,12 @@ class Chunk:
         (an accumulator [chunks, layers per chunk, ...]) with each layer's parameter gradient
         added at ``[at, layer]`` in its dtype, and the cotangent of the chunk's input. Where
         `running` is false nothing is computed: zeros are added and returned."""
-        treedef, where = self._vjp_def
-
-        def layer_grads(w_l: Any, s_l: Any, kept: list[jax.Array], dy: Any) -> tuple[Any, Any]:
-            params, stored = jax.tree.leaves((w_l, s_l)), iter(kept)
-            leaves = [next(stored) if j is None else params[j] for j in where]
-            return jax.tree.unflatten(treedef, leaves)(dy)
 
         def layer(carry: tuple[Any, Any], one: tuple) -> tuple[tuple[Any, Any], None]:
             dy, grads = carry
             index, w_l, s_l, kept = one
             zeros = lambda *_: jax.tree.map(jnp.zeros_like, (w_l, dy))  # noqa: E731
-            dw, dx = lax.cond(running, layer_grads, zeros, w_l, s_l, kept, dy)
+            dw, dx = lax.cond(running, self._layer_grads, zeros, (w_l, s_l, kept), dy)
             add = lambda g, d: g.at[at, index].add(d.astype(g.dtype))  # noqa: E731
             return (dx, jax.tree.map(add, grads, dw)), None
 
@@ -102,3 +120,49 @@ class Chunk:
         steps = (jnp.arange(size), w, s, residuals)
         (dx, grads), _ = lax.scan(layer, (dy, grads), steps, reverse=True)
         return grads, dx
+
+    def backward_input(
+        self, w: Any, s: Any, residuals: list[jax.Array], dy: Any, running: jax.Array
+    ) -> tuple[Any, list[jax.Array]]:
+        """B: the cotangent of the chunk's input, and each layer's carry for its W (stacked on
+        a leading layer axis), from the layers' `residuals` and the output's cotangent `dy`.
+        Where `running` is false nothing is computed: zeros are returned."""
+        split = self.split()
+
+        def layer(dy: Any, one: tuple) -> tuple[Any, list[jax.Array]]:
+            w_l, s_l, kept = one
+            zeros = lambda *_: (jax.tree.map(jnp.zeros_like, dy), _zeros(split.carry_shapes))  # noqa: E731
+            return lax.cond(running, split.input_grad, zeros, (w_l, s_l, kept), dy)
+
+        dx, carries = lax.scan(layer, dy, (w, s, residuals), reverse=True)
+        return dx, carries
+
+    def backward_weight(
+        self,
+        w: Any,
+        s: Any,
+        residuals: list[jax.Array],
+        carries: list[jax.Array],
+        grads: Any,
+        at: jax.Array,
+        running: jax.Array,
+    ) -> Any:
+        """W: `grads` (an accumulator [chunks, layers per chunk, ...]) with each layer's
+        parameter gradients, from its residuals and the carry its B made, added at
+        ``[at, layer]``. Where `running` is false zeros are added."""
+        split = self.split()
+
+        def layer(grads: Any, one: tuple) -> tuple[Any, None]:
+            index, w_l, s_l, kept, carry = one
+            zeros = lambda *_: jax.tree.map(jnp.zeros_like, w_l)  # noqa: E731
+            dw = lax.cond(running, split.weight_grad, zeros, (w_l, s_l, kept), carry)
+            add = lambda g, d: g.at[at, index].add(d.astype(g.dtype))  # noqa: E731
+            return jax.tree.map(add, grads, dw), None
+
+        size = jax.tree.leaves(w)[0].shape[0]
+        grads, _ = lax.scan(layer, grads, (jnp.arange(size), w, s, residuals, carries))
+        return grads
+
+
+def _zeros(shapes: list[jax.ShapeDtypeStruct]) -> list[jax.Array]:
+    return [jnp.zeros(a.shape, a.dtype) for a in shapes]

@@ -1,7 +1,7 @@
 """One pipeline stage's program, the body of the pipeline's `shard_map`: its buffers and sums
 from tick to tick (`Carry`), and `Stage`: `start`, a `tick` per row of the timetable (the
-forward half, the backward half, the sends), then `results` (the reduced gradients, the new
-model states, the loss and metrics)."""
+forward half, the backward half, under a zero-bubble schedule a weight-gradient part, the
+sends), then `results` (the reduced gradients, the new model states, the loss and metrics)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from fleetjax.mesh import constrain, spec_axes
+from fleetjax.mesh import constrain
 from fleetjax.transforms.grad_allreduce import Reducer
 from fleetjax.transforms.pipeline._casts import cast
 from fleetjax.transforms.pipeline._chunk import Chunk
-from fleetjax.transforms.pipeline._layout import AXIS, WHOLE, Layout, is_spec, is_split
+from fleetjax.transforms.pipeline._layout import AXIS, Layout, is_spec, is_split
 from fleetjax.transforms.pipeline._model import ModelFunctions, PipelineParams, part_keys
 from fleetjax.transforms.pipeline._shapes import F32, Shapes, cast_shapes
 from fleetjax.transforms.pipeline._timetable import (
+    B_CARRY,
     B_CHUNK,
     B_COT,
     B_MICRO,
@@ -32,17 +33,25 @@ from fleetjax.transforms.pipeline._timetable import (
     F_RES,
     RECV_ACT,
     RECV_COT,
+    W_CARRY,
+    W_CHUNK,
+    W_MICRO,
+    W_RES,
     Segment,
     Timetable,
 )
 from fleetjax.transforms.pipeline._values import (
     added,
-    kept_states,
+    chunk_states,
+    kept_specs,
+    laid_out,
     merged,
     psum,
     put,
     put_where,
+    reduced,
     take,
+    whole_where_split,
     zeros,
 )
 from fleetjax.transforms.pipeline.schedules import PipelineSchedule
@@ -62,6 +71,8 @@ class Carry(NamedTuple):
     # The sums of the new floating model states and the last of the others: a PipelineParams,
     # the layers' [chunks, layers per chunk, ...].
     states: PipelineParams
+    # Split backward: [carry slots, layers per chunk, ...] what each B made for its W (else ()).
+    carries: Any = ()
 
 
 class Stage:
@@ -124,6 +135,11 @@ class Stage:
         )
         first_layer = jax.tree.map(lambda x: x[0], self._chunk(0))
         self.chunk = Chunk(model.stage, *first_layer, zeros(shapes.activations), key)
+        self.split = schedule.split_backward
+        self.residual_specs = kept_specs(layout, shapes.activations, self.chunk.shapes)
+        if self.split:
+            carried = self.chunk.split().carry_shapes
+            self.carry_specs = kept_specs(layout, shapes.activations, carried)
 
     def _whole(self, part: str, tree: Any) -> Any:
         """`tree`, parameters of `part` ("embed", "layers" or "head") as this device holds
@@ -154,8 +170,12 @@ class Stage:
         by_chunk = lambda s: PartitionSpec(None, *s)  # noqa: E731
         chunk_specs = jax.tree.map(by_chunk, compiler.layers, is_leaf=is_spec)
         residuals = zeros(self.chunk.shapes, table.residual_slots, self.size)
+        carries = ()
+        if self.split:
+            carried = self.chunk.split().carry_shapes
+            carries = laid_out(zeros(carried, table.carry_slots, self.size), self.carry_specs)
         return Carry(
-            self._residuals_split(residuals),
+            laid_out(residuals, self.residual_specs),
             zeros(activations, table.activation_slots),
             zeros(activations, table.cotangent_slots),
             constrain(zeros(shapes.chunk, self.chunks), chunk_specs),
@@ -164,43 +184,8 @@ class Stage:
             jnp.zeros((), jnp.float32),
             zeros(shapes.aux),
             PipelineParams(*zeros(states)),
+            carries,
         )
-
-    def _residual_specs(self) -> list[PartitionSpec | None]:
-        """Where the residual buffers [slots, layers per chunk, ...] are: a residual shaped
-        like the activations (a layer's input, all a recomputed layer keeps) is split over
-        the compiler's axes along its largest dimension that divides, as sequence
-        parallelism keeps it, and gathered when its backward runs: a 1/mp of the memory of
-        the micro-batches in flight for an all-gather per layer. The others (None) stay as
-        XLA lays them out (one that its layer splits over mp stays split)."""
-        split, ways = self.layout.split, self.layout.split_ways
-        activations = jax.tree.leaves(self.shapes.activations)
-        like = [(a.shape, a.dtype) for a in activations]
-
-        def spec(r: jax.ShapeDtypeStruct) -> PartitionSpec | None:
-            dims = sorted(range(len(r.shape)), key=lambda d: -r.shape[d])
-            fits = [d for d in dims if r.shape[d] % ways == 0]
-            if not split or (r.shape, r.dtype) not in like or not fits:
-                return None
-            entries = [None] * (2 + len(r.shape))
-            entries[2 + fits[0]] = split
-            return PartitionSpec(*entries)
-
-        return [spec(r) for r in self.chunk.shapes]
-
-    def _residuals_split(self, buffers: list[jax.Array]) -> list[jax.Array]:
-        """The residual buffers laid out as `_residual_specs` says."""
-        specs = self._residual_specs()
-        return [b if s is None else constrain(b, s) for b, s in zip(buffers, specs, strict=True)]
-
-    def _whole_where_split(self, residuals: list[jax.Array]) -> list[jax.Array]:
-        """`residuals` with those kept split whole, as the layers make and use them: the split
-        stays in the buffer instead of spreading to the layers."""
-        specs = self._residual_specs()
-        return [
-            r if spec is None else constrain(r, WHOLE)
-            for r, spec in zip(residuals, specs, strict=True)
-        ]
 
     def tick(self, segment: Segment, carry: Carry, rows: jax.Array) -> tuple[Carry, None]:
         """One tick of `segment`: this stage's row of `rows` [stages, COLUMNS], its forward,
@@ -215,8 +200,9 @@ class Stage:
                 metrics=jax.tree.map(jnp.add, carry.metrics, metrics),
             )
         if segment.backward:
-            g_layers, dx, de = self.backward(carry, row)
-            carry = carry._replace(g_layers=g_layers, g_embed=added(carry.g_embed, de))
+            carry, dx = self.backward(carry, row)
+        if segment.weight:
+            carry = self.weight(carry, row)
         if segment.send_forward and self.to_next:
             sent = lax.ppermute(y, AXIS, self.to_next)
             carry = carry._replace(activations=put(carry.activations, row[RECV_ACT], sent))
@@ -262,25 +248,13 @@ class Stage:
         x_in = take(carry.activations, row[F_ACT])
         made, y, states, loss, metrics, dh, dy = lax.cond(running, run, idle, x_in, batch)
         # Written outside the cond: a buffer that a cond's branch updates is copied whole.
-        made = self._whole_where_split(made)
+        made = whole_where_split(made, self.residual_specs)
         residuals = put_where(carry.residuals, row[F_RES], running, made)
         cotangents = put(carry.cotangents, row[F_DY], dy)
         last = row[F_MICRO] == self.micro_batches - 1
-        states = self._states(carry.states, states, chunk, (last & is_first, last, last & is_last))
+        states = chunk_states(carry.states, states, chunk, (last & is_first, last, last & is_last))
         carry = carry._replace(residuals=residuals, cotangents=cotangents, states=states)
         return carry, (y, loss, metrics, dh)
-
-    def _states(
-        self, total: PipelineParams, new: PipelineParams, chunk: jax.Array, last: tuple
-    ) -> PipelineParams:
-        """`total` with the new states of embed, chunk `chunk`'s layers and the head kept (see
-        `kept_states`; `last` says, per part, whether its new state is the last micro-batch's)."""
-        layers = kept_states(take(total.layers, chunk), new.layers, last[1])
-        return PipelineParams(
-            kept_states(total.embed, new.embed, last[0]),
-            jax.tree.map(lambda t, x: t.at[chunk].set(x), total.layers, layers),
-            kept_states(total.head, new.head, last[2]),
-        )
 
     def _head(self, y: Any, batch: Any, key: jax.Array) -> tuple:
         """The head's loss and metrics (each times 1 / (m replicas)), the gradients of the loss
@@ -299,17 +273,30 @@ class Stage:
         (dh, dy), (loss, aux, state) = grad(self._whole("head", self.head_params), y)
         return loss, aux, dh, dy, state
 
-    def backward(self, carry: Carry, row: jax.Array) -> tuple:
+    def backward(self, carry: Carry, row: jax.Array) -> tuple[Carry, Any]:
         """The backward half of a tick, if the row has one: micro-batch ``row[B_MICRO]`` back
         through chunk ``row[B_CHUNK]`` from its kept residuals and cotangent, and back through
-        embed on the first virtual stage. Returns the layers' gradients with the chunk's added,
-        and the gradients of the chunk's input (to send) and of embed's parameters."""
+        embed on the first virtual stage. Returns the carry, with the layers' gradients added
+        (split: with what its W needs kept), and the gradient of the chunk's input (to send)."""
         chunk, running = row[B_CHUNK], row[B_MICRO] >= 0
-        is_first = chunk * self.stages + self.index == 0
         w, s = self._chunk(chunk)
-        kept = self._whole_where_split(take(carry.residuals, row[B_RES]))
+        kept = whole_where_split(take(carry.residuals, row[B_RES]), self.residual_specs)
         dy = take(carry.cotangents, row[B_COT])
-        g_layers, dx = self.chunk.backward(w, s, kept, dy, carry.g_layers, chunk, running)
+        if self.split:
+            dx, made = self.chunk.backward_input(w, s, kept, dy, running)
+            made = whole_where_split(made, self.carry_specs)
+            carry = carry._replace(carries=put_where(carry.carries, row[B_CARRY], running, made))
+        else:
+            g_layers, dx = self.chunk.backward(w, s, kept, dy, carry.g_layers, chunk, running)
+            carry = carry._replace(g_layers=g_layers)
+        g_embed = added(carry.g_embed, self._embed_grad(row, dx))
+        return carry._replace(g_embed=g_embed), dx
+
+    def _embed_grad(self, row: jax.Array, dx: Any) -> Any:
+        """The gradient of embed's parameters, from `dx` on the first virtual stage (else
+        zeros)."""
+        running = row[B_MICRO] >= 0
+        is_first = row[B_CHUNK] * self.stages + self.index == 0
 
         def embed_grad(dx: Any, batch: Any) -> Any:
             key = part_keys(self.key, self.replica, row[B_MICRO], 0)
@@ -321,7 +308,18 @@ class Stage:
 
         batch = take(self.micro, jnp.maximum(row[B_MICRO], 0))
         no_grad = lambda *_: zeros(self.ran.embed)  # noqa: E731
-        return g_layers, dx, lax.cond(is_first & running, embed_grad, no_grad, dx, batch)
+        return lax.cond(is_first & running, embed_grad, no_grad, dx, batch)
+
+    def weight(self, carry: Carry, row: jax.Array) -> Carry:
+        """The weight-gradient part of a tick under a split backward, if the row has one:
+        chunk ``row[W_CHUNK]``'s parameter gradients for micro-batch ``row[W_MICRO]``, from
+        its kept residuals and what its B made, added to the layers' gradients."""
+        chunk, running = row[W_CHUNK], row[W_MICRO] >= 0
+        w, s = self._chunk(chunk)
+        kept = whole_where_split(take(carry.residuals, row[W_RES]), self.residual_specs)
+        made = whole_where_split(take(carry.carries, row[W_CARRY]), self.carry_specs)
+        grads = self.chunk.backward_weight(w, s, kept, made, carry.g_layers, chunk, running)
+        return carry._replace(g_layers=grads)
 
     def results(self, carry: Carry, reducer: Reducer) -> tuple[Any, Any, Any]:
         """The loss and metrics (means over every replica's micro-batches), the new model
@@ -334,7 +332,7 @@ class Stage:
         grads = PipelineParams(carry.g_embed, jax.tree.map(by_layer, carry.g_layers), carry.g_head)
         if data:  # the reducer averages each replica's gradients of its own mean loss
             grads = jax.tree.map(lambda g: g * self.replicas, grads)
-            grads = self._reduced(grads, reducer)
+            grads = reduced(grads, reducer, self.layout)
         grads = grads._replace(embed=psum(grads.embed, AXIS), head=psum(grads.head, AXIS))
         states = carry.states
         states = PipelineParams(
@@ -343,21 +341,3 @@ class Stage:
             psum(merged(states.head, self.micro_batches, data), AXIS),
         )
         return (psum(carry.loss, every), psum(carry.metrics, every)), states, grads
-
-    def _reduced(self, grads: PipelineParams, reducer: Reducer) -> PipelineParams:
-        """`grads` reduced over the data axes by `reducer`, on each device's own part of them
-        (a `shard_map` over the compiler's axes too: XLA would gather a gradient split over
-        mp before a reduce-scatter over sharding)."""
-        compiler = self.layout.compiler
-        axes = {a for s in jax.tree.leaves(compiler, is_leaf=is_spec) for a in spec_axes(s)}
-        reduce = functools.partial(reducer, axes=self.layout.data)
-        if not axes:
-            return reduce(grads)
-        return jax.shard_map(
-            reduce,
-            mesh=jax.sharding.get_abstract_mesh(),
-            in_specs=(compiler,),
-            out_specs=compiler,
-            axis_names=axes,
-            check_vma=False,
-        )(grads)

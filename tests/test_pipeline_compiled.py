@@ -104,10 +104,11 @@ def test_compiled_one_f_one_b_moves_activations_not_parameters():
     assert len(collectives(entry_computation(text))) == len(reductions)
 
 
-def temp_bytes(mode, micro_batches, stage_fn=None):
-    """Per-device temp bytes of the compiled pipeline for an activation-heavy model."""
+def temp_bytes(mode, micro_batches, stage_fn=None, mesh=None):
+    """Per-device temp bytes of the compiled pipeline for an activation-heavy model, on `mesh`
+    (default: pp=4 CPU devices)."""
     hidden, rows = 64, 32
-    mesh = build_mesh(dp=1, pp=4, devices=jax.devices()[:4])
+    mesh = mesh or build_mesh(dp=1, pp=4, devices=jax.devices()[:4])
 
     def spec(shape, *axes):
         at = NamedSharding(mesh, PartitionSpec(*axes))

@@ -17,4 +17,4 @@ EIGHT_HEADS = GPTConfig(
     initializer_range=0.2,
 )
 
-__all__ = ["EIGHT_HEADS", "make_gpt"]
+__all__ = ["EIGHT_HEADS", "GPTConfig", "make_gpt"]

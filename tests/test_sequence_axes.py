@@ -238,3 +238,22 @@ def test_shapes_the_sequence_axes_cannot_split_are_errors(mesh, shape, message):
     q = jnp.ones(shape)
     with jax.set_mesh(fleetjax.build_mesh(**mesh)), pytest.raises(ValueError, match=message):
         attention(q, q, q)
+
+
+@needs_plugin
+def test_the_ring_compiles_for_h100s_in_the_gradient_of_a_loop_over_layers():
+    """A looped ring's collective-permute, in the gradient of a loop over layers, is a cycle
+    to XLA:GPU's scheduler ("A cycle is detected"): the ring's steps are unrolled."""
+    mesh = targets.mesh("h100", 8, cp=8)
+    x = jax.ShapeDtypeStruct(
+        (2, 512, 8, 64), jnp.float32, sharding=NamedSharding(mesh, P(None, "cp"))
+    )
+    ws = jax.ShapeDtypeStruct((2, 64, 64), jnp.float32, sharding=NamedSharding(mesh, P()))
+
+    def loss(ws, x):
+        layer = lambda h, w: (attention(h @ w, h, h, load_balanced=True), None)  # noqa: E731
+        return jax.lax.scan(layer, x, ws)[0].sum()
+
+    with jax.set_mesh(mesh):
+        hlo = jax.jit(jax.grad(loss)).lower(ws, x).compile().as_text()
+    assert {c.op for c in collectives(hlo)} >= {"collective-permute"}

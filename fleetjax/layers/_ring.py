@@ -15,6 +15,10 @@ nothing to do while the device holding its end attends to everything. The sequen
 that at each step every device computes the same amount: its whole block against the first half
 of an earlier device's keys, or the second half of its queries against a later device's keys
 (the diagonal step, its own block, is masked).
+
+The ring's ``cp`` steps are unrolled rather than a loop: inside the gradient of a loop over
+layers, XLA:GPU's scheduler orders a looped collective-permute into a cycle ("A cycle is
+detected while visiting instruction %collective-permute-start").
 """
 
 from __future__ import annotations
@@ -164,14 +168,10 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> tuple:
     """The output (float32) and log-sum-exp of this device's queries, after a ring of steps."""
     out, lse = _forward_step(_kind(jnp.int32(0), causal), q, k, v)
 
-    def step(carry: tuple, index: jax.Array) -> tuple:
-        out, lse, kv = carry
+    kv = k, v
+    for index in range(1, lax.axis_size(AXIS)):
         kv = _rotate(kv)
-        out, lse = _merged(out, lse, *_forward_step(_kind(index, causal), q, *kv))
-        return (out, lse, kv), None
-
-    steps = jnp.arange(1, lax.axis_size(AXIS))
-    (out, lse, _), _ = lax.scan(step, (out, lse, (k, v)), steps)
+        out, lse = _merged(out, lse, *_forward_step(_kind(jnp.int32(index), causal), q, *kv))
     return out, lse
 
 
@@ -215,15 +215,13 @@ def _attention_backward(causal: bool, residuals: tuple, do: jax.Array) -> tuple:
     stats = (lse, jnp.sum(out.astype(_F32) * do.astype(_F32), axis=-1))
     zeros = jnp.zeros(k.shape, _F32)
 
-    def step(carry: tuple, index: jax.Array) -> tuple:
-        dq, kv, dkv = carry
-        dq_step, dk, dv = _backward_step(_kind(index, causal), q, kv, do, stats)
+    dq, kv, dkv = jnp.zeros(q.shape, _F32), (k, v), (zeros, zeros)
+    for index in range(lax.axis_size(AXIS)):
+        dq_step, dk, dv = _backward_step(_kind(jnp.int32(index), causal), q, kv, do, stats)
         dkv = (dkv[0] + dk, dkv[1] + dv)
         kv, dkv = _rotate((kv, dkv))
-        return (dq + dq_step, kv, dkv), None
-
-    steps = jnp.arange(lax.axis_size(AXIS))
-    (dq, _, (dk, dv)), _ = lax.scan(step, (jnp.zeros(q.shape, _F32), (k, v), (zeros, zeros)), steps)
+        dq = dq + dq_step
+    dk, dv = dkv
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 

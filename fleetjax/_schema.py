@@ -1335,7 +1335,11 @@ _MP_PASSES = (
     "Paddle's tensor-parallel rewrites; XLA's SPMD partitioner places these operations from the"
     " shardings itself"
 )
-_SP = "sequence parallelism, which this optimizes, is not in fleetjax"
+_SP = (
+    "Paddle's sequence-parallel rewrites; XLA's SPMD partitioner places the all-gathers and "
+    "reduce-scatters of sequence parallelism (fleetjax.layers.sequence_parallel) from the "
+    "shardings itself"
+)
 # The passes sections both auto-parallel strategies have.
 _AUTO_OPTIMIZATION_SECTIONS = (
     field(11, "dp_optimization", AUTO_DP_OPTIMIZATION, note=_DP_PASSES),

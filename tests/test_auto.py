@@ -2,6 +2,7 @@
 data parallelism it picks a plan whose compiled per-device bytes fit and that trains like one
 device; with a large budget it picks pure data parallelism; every candidate is reported."""
 
+import dataclasses
 import math
 import os
 import re
@@ -261,7 +262,7 @@ def test_given_candidates_are_exactly_the_ones_compiled():
         (
             {"dp": 2, "mp": 2},
             "candidates: {'dp': 2, 'mp': 2} does not multiply to the 8 devices "
-            "(dp x sharding x mp x pp = 2 x 1 x 2 x 1)",
+            "(dp x sharding x mp x pp x cp = 2 x 1 x 2 x 1 x 1)",
         ),
         ({"sharding": 8, "stage": 0}, "has stage=0; ZeRO stages 1, 2 and 3 need sharding > 1"),
     ],
@@ -451,3 +452,25 @@ def test_auto_with_another_parallel_switch_names_both():
     strategy = fleetjax.DistributedStrategy(auto=True, sharding=True)
     with pytest.raises(ValueError, match=r"auto=True and sharding=True"):
         fleetjax.read_plan(strategy)  # as fleet.init and make_train_step do
+
+
+def test_a_sequence_too_long_for_every_layout_is_split_over_cp():
+    """One sequence of 2048 tokens: neither tensor parallelism nor recompute fits it in 64 MiB
+    per device (XLA:CPU's attention keeps its 2048 x 2048 scores per head); split over cp
+    (ring attention, blocks of 1/cp of it) it does."""
+    config = dataclasses.replace(GPT_CONFIG, max_position_embeddings=2048, num_hidden_layers=2)
+    model, params = make_gpt(config, seed=0)
+    found = auto.search(
+        model.loss_fn,
+        optax.adam(1e-3),
+        jax.eval_shape(lambda: params),
+        {"tokens": jax.ShapeDtypeStruct((1, 2049), jnp.int32)},
+        param_specs=model.partition_specs(),
+        memory_budget=64 * MiB,
+    )
+    others = [c for c in found.candidates if c.layout.cp == 1]
+    assert others and not any(c.fits for c in others)
+    assert found.degrees == {"dp": 1, "sharding": 1, "pp": 1, "mp": 1, "cp": 8}
+    assert found.strategy.hybrid_configs["cp_degree"] == 8
+    assert found.chosen.device_bytes <= 64 * MiB
+    assert "dp=1 cp=8" in str(found)

@@ -10,7 +10,8 @@ layout whose train state does not fit, the optimizer state offloaded to pinned h
 (``optimize_offload``); on a layout whose state fits but whose step does not, recompute
 (`recompute_configs`, by default the policy ``nothing_saveable`` on the layers marked with
 `fleetjax.recompute`) and in-step gradient merge into 2, 4 or 8 micro-batches. Under a pipeline
-ZeRO stage 2 is stage 1 (the pipeline reduce-scatters its gradients under either).
+ZeRO stage 2 is stage 1 (the pipeline reduce-scatters its gradients under either). Last, where
+nothing else fits, context parallelism (`sequence_layouts`): the sequence split over ``cp``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class Layout:
       vpp: virtual pipeline stages per device (2 or more: the interleaved VPP schedule).
       offload: whether ZeRO keeps the optimizer state in pinned host memory
         (`sharding_configs["optimize_offload"]`).
+      cp: context parallelism (`cp_degree`): the sequence split over a ``cp`` axis of its
+        own, carved out of the sharding group as in Paddle (ZeRO is off on these layouts).
     """
 
     dp: int
@@ -53,12 +56,26 @@ class Layout:
     micro_batches: int = 1
     vpp: int = 1
     offload: bool = False
+    cp: int = 1
 
-    KEYS = ("dp", "sharding", "stage", "mp", "pp", "recompute", "micro_batches", "vpp", "offload")
+    KEYS = (
+        "dp",
+        "sharding",
+        "stage",
+        "mp",
+        "pp",
+        "recompute",
+        "micro_batches",
+        "vpp",
+        "offload",
+        "cp",
+    )
 
     @property
     def degrees(self) -> dict[str, int]:
-        return {"dp": self.dp, "sharding": self.sharding, "pp": self.pp, "mp": self.mp}
+        """The mesh degrees; ``cp`` only where the sequence is split over it."""
+        degrees = {"dp": self.dp, "sharding": self.sharding, "pp": self.pp, "mp": self.mp}
+        return degrees if self.cp == 1 else {**degrees, "cp": self.cp}
 
     @property
     def replicas(self) -> int:
@@ -74,7 +91,7 @@ class Layout:
     @property
     def placement(self) -> tuple[int, ...]:
         """What decides where the train state lives (and so its bytes per device)."""
-        return self.dp, self.sharding, self.stage, self.mp, self.pp, self.offload
+        return self.dp, self.sharding, self.stage, self.mp, self.pp, self.offload, self.cp
 
     def order(self) -> tuple[int, ...]:
         """Simplicity: pure data parallelism first, then ZeRO, tensor, pipeline parallel; a
@@ -82,14 +99,20 @@ class Layout:
         flight: what most often fits and wins, so that it bounds the others early)."""
         zero = (self.sharding > 1, self.stage, self.sharding, self.offload)
         micro = -self.micro_batches if self.pp > 1 else self.micro_batches
-        return (self.pp, self.mp, *zero, self.vpp, self.recompute, micro)
+        return (self.cp, self.pp, self.mp, *zero, self.vpp, self.recompute, micro)
 
     def dominates(self, other: Layout) -> bool:
         """Whether `other` takes at least as long, so that once `self` fits `other` is skipped:
         ZeRO takes as long as pure data parallelism over the same devices or longer, and more
         memory savers (offload among them) as long as fewer or longer."""
-        split_alike = (self.pp, self.mp, self.replicas, self.vpp)
-        if self == other or split_alike != (other.pp, other.mp, other.replicas, other.vpp):
+        split_alike = (self.pp, self.mp, self.replicas, self.vpp, self.cp)
+        if self == other or split_alike != (
+            other.pp,
+            other.mp,
+            other.replicas,
+            other.vpp,
+            other.cp,
+        ):
             return False
         zero = self.sharding == 1 or (self.sharding, self.stage) == (other.sharding, other.stage)
         if self.pp > 1:  # a pipeline's micro-batches trade bubble for latency: not ordered
@@ -105,9 +128,10 @@ class Layout:
         s.auto = False
         s.hybrid_configs = {
             "dp_degree": self.dp,
-            "sharding_degree": self.sharding,
+            "sharding_degree": self.sharding * self.cp,  # Paddle carves cp out of sharding
             "mp_degree": self.mp,
             "pp_degree": self.pp,
+            "cp_degree": self.cp,
         }
         if self.sharding > 1:
             s.sharding = True
@@ -162,6 +186,7 @@ class Layout:
             if p.pipeline
             else 1,
             offload=p.optimizer_offload,
+            cp=shape.get("cp", 1),
         )
 
     @classmethod
@@ -178,14 +203,15 @@ class Layout:
                 f"candidates: unknown key {unknown[0]!r} in {dict(values)}; keys are "
                 f"{', '.join(cls.KEYS)}"
             )
-        v = {"sharding": 1, "mp": 1, "pp": 1, **values}
+        v = {"sharding": 1, "mp": 1, "pp": 1, "cp": 1, **values}
         v.setdefault("stage", 1 if v["sharding"] > 1 else 0)
-        others = v["sharding"] * v["mp"] * v["pp"]
+        others = v["sharding"] * v["mp"] * v["pp"] * v["cp"]
         v.setdefault("dp", devices // others if devices % others == 0 else 0)
         if v["dp"] * others != devices:
             raise ValueError(
                 f"candidates: {dict(values)} does not multiply to the {devices} devices "
-                f"(dp x sharding x mp x pp = {v['dp']} x {v['sharding']} x {v['mp']} x {v['pp']})"
+                f"(dp x sharding x mp x pp x cp = {v['dp']} x {v['sharding']} x {v['mp']} x "
+                f"{v['pp']} x {v['cp']})"
             )
         if (v["stage"] > 0) != (v["sharding"] > 1) or v["stage"] not in (0, 1, 2, 3):
             raise ValueError(
@@ -198,7 +224,7 @@ class Layout:
         parts = [f"dp={self.dp}"]
         if self.sharding > 1:
             parts.append(f"sharding={self.sharding} (stage {self.stage})")
-        parts += [f"{a}={getattr(self, a)}" for a in ("mp", "pp") if getattr(self, a) > 1]
+        parts += [f"{a}={getattr(self, a)}" for a in ("cp", "mp", "pp") if getattr(self, a) > 1]
         if self.vpp > 1:
             parts.append(f"vpp={self.vpp}")
         if self.offload:
@@ -268,6 +294,7 @@ def split(layout: Layout) -> tuple[int, ...]:
     and the savers."""
     return (
         layout.replicas,
+        layout.cp,
         layout.mp,
         layout.pp,
         layout.vpp,
@@ -283,8 +310,8 @@ def activations_scale(seen: Layout, other: Layout, rows: int) -> float | None:
     divides them by k. A pipeline keeps its micro-batches in flight: pipelines that split mp
     and pp alike (with the same virtual stages and recompute) keep as many rows as their
     micro-batches in flight (at most 2 pp - 1 under 1F1B) times the rows in each."""
-    model = (seen.mp, seen.pp, seen.vpp, seen.recompute)
-    if model != (other.mp, other.pp, other.vpp, other.recompute):
+    model = (seen.mp, seen.pp, seen.vpp, seen.recompute, seen.cp)
+    if model != (other.mp, other.pp, other.vpp, other.recompute, other.cp):
         return None
     if seen.pp > 1:
         return _rows_in_flight(other, rows) / _rows_in_flight(seen, rows)
@@ -320,3 +347,18 @@ def savers(layout: Layout, rows: int) -> list[Layout]:
 def uses_mp(specs: Any) -> bool:
     leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
     return any("mp" in spec_axes(s) for s in leaves if isinstance(s, PartitionSpec))
+
+
+def sequence_layouts(devices: int, rows: int, fixed: Mapping[str, int]) -> list[Layout]:
+    """Context parallelism for sequences that do not fit: the devices split into ``cp``
+    (the sequence) x ``dp`` (the rows), without and with recompute, smallest ``cp`` first."""
+    if set(fixed) - {"dp", "cp"}:
+        return []
+    found = [
+        Layout(devices // cp, cp=cp, recompute=recompute)
+        for cp in _divisors(devices)[1:]
+        for recompute in (False, True)
+        if rows % (devices // cp) == 0
+        and all(getattr(Layout(devices // cp, cp=cp), a) == d for a, d in fixed.items())
+    ]
+    return sorted(found, key=Layout.order)

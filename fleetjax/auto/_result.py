@@ -97,7 +97,8 @@ class SearchResult:
 
     @property
     def degrees(self) -> dict[str, int]:
-        """The chosen mesh degrees: {"dp", "sharding", "pp", "mp"}."""
+        """The chosen mesh degrees: {"dp", "sharding", "pp", "mp"}, and "cp" where it splits the
+        sequence."""
         return self.chosen.layout.degrees
 
     @property

@@ -54,6 +54,7 @@ from fleetjax.auto._layouts import (
     activations_scale,
     all_layouts,
     savers,
+    sequence_layouts,
     split,
     uses_mp,
 )
@@ -238,10 +239,11 @@ class _Planner:
         fitting = [c for c in self.done if c.fits]
         return min(fitting, key=lambda c: (c.time_s, c.layout.order()), default=None)
 
-    def search(self, layouts: list[Layout]) -> None:
+    def search(self, layouts: list[Layout], sequences: list[Layout]) -> None:
         """Consider `layouts` in order; then offload on the ZeRO layouts over the budget; then
         memory savers on top of those whose train state fits but whose step does not, fastest
-        first; pruning as the module docstring says."""
+        first; then, if none fits, the context-parallel `sequences`; pruning as the module
+        docstring says."""
         # Pure data parallelism is always compiled, the baseline of the report.
         baseline = Layout(len(self.devices))
         for layout in layouts:
@@ -268,6 +270,9 @@ class _Planner:
             lean = self.leanest(base)
             for layout in savers(lean.layout, self.rows):
                 self.consider(layout, floor=base if lean is base else None)
+        # A sequence too long for any layout above: split it over cp (ring attention).
+        for layout in sequences if self.best() is None else ():
+            self.consider(layout)
 
     def leanest(self, base: Candidate) -> Candidate:
         """Of the layouts over the budget that split the activations as `base` does, the one
@@ -491,7 +496,8 @@ def search(
         _compile_given(planner, candidates)
     else:
         fixed = {a: getattr(base_plan.degrees, a) for a in base_plan.set_degrees}
-        planner.search(_layouts_to_search(planner, fixed, uses_mp(specs)))
+        sequences = sequence_layouts(len(devices), planner.rows, fixed)
+        planner.search(_layouts_to_search(planner, fixed, uses_mp(specs)), sequences)
     done = tuple(planner.done)
     chosen = planner.best()
     if chosen is None:

@@ -101,10 +101,14 @@ def _qkv(length=32, heads=4):
     return [jax.random.normal(k, (2, length, heads, 8)) for k in keys]
 
 
-@pytest.mark.parametrize("mesh", [{"cp": 4}, {"cp": 8}, {"sep": 2, "cp": 2, "mp": 2}])
+@pytest.mark.parametrize(
+    ("mesh", "length"),
+    # cp=2 over 4096 tokens: a device's 2048 queries go in tiles of QUERY_TILE (512)
+    [({"cp": 4}, 32), ({"cp": 8}, 32), ({"sep": 2, "cp": 2, "mp": 2}, 32), ({"cp": 2}, 4096)],
+)
 @pytest.mark.parametrize("ordered", [True, False], ids=["load-balanced", "natural"])
-def test_attention_and_its_gradients_equal_unsplit(mesh, ordered):
-    q, k, v = _qkv()
+def test_attention_and_its_gradients_equal_unsplit(mesh, length, ordered):
+    q, k, v = _qkv(length)
 
     def split(q, k, v):
         if ordered:  # the model keeps its sequence in the ring's order
@@ -257,3 +261,18 @@ def test_the_ring_compiles_for_h100s_in_the_gradient_of_a_loop_over_layers():
     with jax.set_mesh(mesh):
         hlo = jax.jit(jax.grad(loss)).lower(ws, x).compile().as_text()
     assert {c.op for c in collectives(hlo)} >= {"collective-permute"}
+
+
+@needs_plugin
+@pytest.mark.slow  # four GPT steps at 32k tokens compiled for H100s: about 80 s
+def test_long_sequence_example_fits_with_cp_where_the_batch_split_does_not():
+    """examples/long_sequence.py: 8 sequences of 32k tokens on 8 compile-only H100s."""
+    import long_sequence  # examples/ is on the path (tiny_gpt)
+
+    gpu = {
+        name: long_sequence.explain(hybrid, show=False).gpu
+        for name, hybrid in long_sequence.LAYOUTS.items()
+    }
+    over = {name for name, g in gpu.items() if g.peak_bytes > g.hbm_bytes}
+    assert over == {"batch over sharding", "sequence over sep"}
+    assert gpu["sequence over cp"].peak_bytes < 0.7 * gpu["batch over sharding"].peak_bytes

@@ -12,9 +12,11 @@ which rule skipped a candidate:
   (a prediction, not a bound);
 * ZeRO over ``dp x sharding`` devices is skipped where pure data parallelism over the same
   devices (same mp, pp and savers) fits: it computes the same matmuls and communicates at least
-  as much. Recompute and more micro-batches only add work, so they are skipped where the same
-  layout with fewer of them fits, and their estimate is never below the layout's without them
-  (XLA may rewrite a one-row matmul into a reduction, which the matmul count misses);
+  as much. Recompute and more micro-batches only add matmuls, so they are skipped where the
+  same layout with fewer of them fits, and their matmul time is never below the layout's
+  without them (XLA may rewrite a one-row matmul into a reduction, which the matmul count
+  misses); their memory term and communication may fall (what recompute no longer keeps, reads
+  and gathers), so those are not bounded by the layout's;
 * memory savers shrink activations, which depend on the rows per device and the mp and pp
   split, not on ZeRO: a saver variant is skipped when its layout is over the budget by more
   than `SAVING_MARGIN` (1.25) times what the same savers saved on a compiled layout with the
@@ -211,9 +213,11 @@ class _Planner:
         # No layout computes less than an even split of the model's matmuls (XLA may rewrite a
         # one-row matmul into a reduction, which the matmul count misses).
         compute = max(compute, self.flops / self.device.peak_flops)
-        if floor is not None and floor.time_s is not None:
-            compute = max(compute, floor.compute_s)
-            communication = max(communication, floor.communication_s)
+        if floor is not None and floor.cost is not None:
+            # Savers add matmuls (recompute) or split them (micro-batches), never take any
+            # away; they may well cut the memory term and the communication (what recompute
+            # no longer keeps, reads and gathers), so only the matmuls bound them.
+            compute = max(compute, floor.cost.matmul_flops / self.device.peak_flops)
         fits = on_device <= self.budget
         if not fits:
             note = "; ".join(filter(None, [f"over by {bytes_text(on_device - self.budget)}", note]))
@@ -253,7 +257,8 @@ class _Planner:
             for c in over:
                 if not c.layout.offload:
                     self.consider(dataclasses.replace(c.layout, offload=True))
-        # Savers only add work: a layout estimated no faster than the best candidate needs none.
+        # Savers only add matmuls: a layout whose matmuls alone are no faster than the best
+        # candidate needs none.
         short = [
             c
             for c in self.done
@@ -262,30 +267,31 @@ class _Planner:
         tried: set[tuple[int, ...]] = set()
         for base in sorted(short, key=lambda c: (c.time_s, c.layout.order())):
             best = self.best()
-            if split(base.layout) in tried or (best is not None and base.time_s >= best.time_s):
+            matmuls = base.cost.matmul_flops / self.device.peak_flops
+            bound = max(self.lower_bound(base.layout), matmuls)
+            if split(base.layout) in tried or (best is not None and bound >= best.time_s):
                 continue
             tried.add(split(base.layout))
-            lean = self.leanest(base)
-            for layout in savers(lean.layout, self.rows):
-                self.consider(layout, floor=base if lean is base else None)
+            for lean in self.alike(base):
+                for layout in savers(lean.layout, self.rows):
+                    self.consider(layout, floor=lean if lean.cost is not None else None)
 
-    def leanest(self, base: Candidate) -> Candidate:
-        """Of the layouts over the budget that split the activations as `base` does, the one
-        whose state and gradients take the least memory (savers shrink the activations alone),
-        without offload where one fits (offload costs PCIe time). One that fits already needs
-        no saver."""
+    def alike(self, base: Candidate) -> list[Candidate]:
+        """The layouts over the budget that split the activations as `base` does and whose
+        state and gradients fit, simplest first (pure data parallelism, then the least ZeRO),
+        without offload before with it (offload costs PCIe time): savers shrink the
+        activations alone, alike for all of them, and the simplest that then fits is the
+        fastest (the others it dominates are skipped). One that fits already needs none."""
         alike = [
             c
             for c in self.done
             if c.layout is not None
             and c.formula_bytes is not None
+            and c.formula_bytes <= self.budget
             and not c.fits
             and split(c.layout) == split(base.layout)
         ]
-        return min(
-            alike,
-            key=lambda c: (c.formula_bytes > self.budget, c.layout.offload, c.formula_bytes),
-        )
+        return sorted(alike, key=lambda c: (c.layout.offload, c.layout.order()))
 
     def consider(
         self, layout: Layout, always_compile: bool = False, floor: Candidate | None = None
@@ -309,8 +315,10 @@ class _Planner:
                 continue
             if c.formula_bytes is not None and c.formula_bytes > self.budget:
                 return f"its state and gradients are #{c.index}'s, {bytes_text(c.formula_bytes)}"
-            if c.layout == layout.base and c.time_s is not None:
-                bound = max(bound, c.time_s)  # savers only add work to their layout
+            if c.layout == layout.base and c.cost is not None:
+                # Savers only add matmuls to their layout (their memory term and
+                # communication may fall: recompute keeps, reads and sends less).
+                bound = max(bound, c.cost.matmul_flops / self.device.peak_flops)
         if reason := self.predicted_over(layout):
             return reason
         best = self.best()

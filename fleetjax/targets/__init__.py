@@ -21,7 +21,7 @@ See docs/gpu_targets.md.
 
 from fleetjax.targets._cost import Cost, cost_analysis
 from fleetjax.targets._gpus import TARGETS, GpuSpec, Target, get, of
-from fleetjax.targets._topology import devices, mesh, plugin_installed
+from fleetjax.targets._topology import cudnn_version, devices, mesh, plugin_installed
 
 __all__ = [
     "TARGETS",
@@ -29,6 +29,7 @@ __all__ = [
     "GpuSpec",
     "Target",
     "cost_analysis",
+    "cudnn_version",
     "devices",
     "get",
     "mesh",

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from fleetjax._checks import check_pipeline_layers
-from fleetjax.mesh import data_axes, data_parallel_size, restrict
+from fleetjax.mesh import constrain, data_axes, data_parallel_size, restrict
 from fleetjax.placement import Placement
 from fleetjax.plan import Plan
 from fleetjax.transforms import amp, grad_allreduce, gradient_merge, recompute
@@ -235,8 +235,11 @@ def _pipelined(
     config = plan.pipeline
     controlled = plan.allreduce_dtype is not None or plan.hierarchical is not None
     reducer = _reducer(plan, mesh, placement) if controlled else None
+    embed = model.embed
+    if plan.sharding_stage == 3:
+        embed = _gathered(embed, placement.params.embed, mesh)
     value_and_grad_fn = pipeline(
-        model.embed,
+        embed,
         model.stage,
         model.head_loss,
         mesh=mesh,
@@ -260,6 +263,21 @@ def _pipelined(
         return Outputs(loss, aux, rest[-1] if signature.has_state else None), grads
 
     return grad_fn
+
+
+def _gathered(embed: Callable[..., Any], shardings: Any, mesh: Mesh) -> Callable[..., Any]:
+    """`embed` with its parameters (ZeRO-3 splits them over the data axes) gathered over the
+    data axes first. Inside the pipeline's `shard_map` over ``pp``, XLA's SPMD partitioner
+    aborts the process on a gather (an embedding lookup) of a table split over ``sharding`` and
+    ``mp`` by rows split over ``sharding`` (a failed check in spmd_partitioner_util.cc, jaxlib
+    0.10.2); gathered first, the table is split over ``mp`` alone, as under ZeRO-1 and 2."""
+    kept = tuple(a for a in mesh.axis_names if a not in data_axes(mesh))
+    specs = jax.tree.map(lambda s: restrict(s.spec, kept), shardings)
+
+    def gathered(params: Any, *rest: Any) -> Any:
+        return embed(constrain(params, specs), *rest)
+
+    return gathered
 
 
 def _reducer(

@@ -168,12 +168,14 @@ def _request(lowered: jax.stages.Lowered) -> _Request | None:
 
 def _devices_of(device: jax.Device) -> _Devices | None:
     """How the worker makes `device` and its peers again, or None if it cannot."""
+    from jax._src.lib import _jax
+
     peers = device.client.devices()
     per_host = sum(d.process_index == device.process_index for d in peers)
     if device.platform == "cpu":
         return _Devices("cpu", len(peers), per_host)
-    target = targets.of(device)
-    if target is None or not targets.plugin_installed():
+    target = targets.of(device)  # real GPUs have a target too: only compile-only ones qualify
+    if target is None or not isinstance(device.client, _jax.CompileOnlyPyClient):
         return None
     made = _Devices(target.name, len(peers), per_host)
     if set(targets.devices(made.platform, made.count, per_host=made.per_host)) != set(peers):

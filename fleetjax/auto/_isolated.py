@@ -106,7 +106,6 @@ class _Devices(NamedTuple):
 
 
 class _Request(NamedTuple):
-    devices: _Devices
     module: bytes  # StableHLO bytecode
     options: bytes  # a serialized xla CompileOptions
     device_ids: tuple[int, ...]  # the device assignment
@@ -122,9 +121,11 @@ class Compiler:
     isolate: bool = True
 
     def __call__(self, lowered: jax.stages.Lowered) -> Compiled:
-        request = _request(lowered) if self.isolate else None
-        if request is not None:
-            return _worker(request.devices).compile(request)
+        found = _request(lowered) if self.isolate else None
+        if found is not None:
+            devices, request = found
+            with _lock:  # one request at a time on the worker's pipes
+                return _worker(devices).compile(request)
         try:
             compiled = lowered.compile()
         except jax.errors.JaxRuntimeError as e:
@@ -133,9 +134,10 @@ class Compiler:
         return Compiled(memory, compiled.as_text(), compiled.cost_analysis())
 
 
-def _request(lowered: jax.stages.Lowered) -> _Request | None:
-    """What the worker needs to compile `lowered` as `lowered.compile()` would, or None if it
-    cannot (devices it cannot make, callbacks into this process)."""
+def _request(lowered: jax.stages.Lowered) -> tuple[_Devices, _Request] | None:
+    """The devices and the request the worker needs to compile `lowered` as
+    `lowered.compile()` would, or None if it cannot (devices it cannot make, callbacks into
+    this process)."""
     from jax._src.interpreters import mlir, pxla  # no public API hands a module to XLA
 
     lowering = lowered._lowering
@@ -158,8 +160,7 @@ def _request(lowered: jax.stages.Lowered) -> _Request | None:
         np.array(list(device_list), dtype=object),
         dict(lowering._compiler_options_kvs),
     )
-    return _Request(
-        devices,
+    return devices, _Request(
         mlir.module_to_bytecode(lowering.stablehlo()),
         options.SerializeAsString(),
         tuple(d.id for d in device_list),
@@ -209,7 +210,7 @@ class _Worker:
     def compile(self, request: _Request) -> Compiled:
         start = os.fstat(self.log.fileno()).st_size
         try:
-            _write(self.requests, request._replace(devices=None))
+            _write(self.requests, request)
             status, result = _read(self.replies)
         except (BrokenPipeError, EOFError):
             message = self._death(start)
@@ -223,7 +224,8 @@ class _Worker:
         """Why the worker died: XLA's fatal log line, else its last output, and how it ended."""
         code = self.process.wait()
         how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
-        output = os.pread(self.log.fileno(), 1 << 20, start).decode(errors="replace")
+        size = os.fstat(self.log.fileno()).st_size - start
+        output = os.pread(self.log.fileno(), size, start).decode(errors="replace")
         fatal = list(_FATAL.finditer(output))
         if fatal:
             return f"XLA aborted compiling it ({how}) at {fatal[-1]['where']}: {fatal[-1]['what']}"
@@ -243,15 +245,15 @@ _current: list[_Worker] = []  # the live worker, if any
 
 
 def _worker(devices: _Devices) -> _Worker:
-    """The live worker for `devices`, started (and its devices made) if there is none."""
-    with _lock:
-        if _current and (_current[0].devices != devices or _current[0].process.poll() is not None):
-            _current.pop().close()
-        if not _current:
-            worker = _Worker(devices)
-            _write(worker.requests, devices)
-            _current.append(worker)
-        return _current[0]
+    """The live worker for `devices`, started (and its devices made) if there is none; the
+    caller holds `_lock`."""
+    if _current and (_current[0].devices != devices or _current[0].process.poll() is not None):
+        _current.pop().close()
+    if not _current:
+        worker = _Worker(devices)
+        _write(worker.requests, devices)
+        _current.append(worker)
+    return _current[0]
 
 
 @atexit.register

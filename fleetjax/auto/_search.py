@@ -183,7 +183,9 @@ class _Planner:
         if floor > self.budget:
             return f"its state and gradients alone are {bytes_text(floor)} (formula)"
         for c in self.done:
-            scale = None if c.device_bytes is None else activations_scale(c.layout, layout)
+            if c.device_bytes is None:
+                continue
+            scale = activations_scale(c.layout, layout, self.rows)
             if scale is None:
                 continue
             rest = (c.device_bytes - c.formula_bytes) * scale

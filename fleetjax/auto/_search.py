@@ -51,6 +51,7 @@ from fleetjax.auto._cost import (
     network_share,
     step_cost,
 )
+from fleetjax.auto._isolated import Compiled, CompileFailed, Compiler
 from fleetjax.auto._layouts import (
     Layout,
     activations_scale,
@@ -62,6 +63,7 @@ from fleetjax.auto._layouts import (
 from fleetjax.auto._memory import Formula, compiled_bytes, formula
 from fleetjax.auto._result import (
     CANNOT_APPLY,
+    FAILED,
     FITS,
     OVER_BUDGET,
     SKIPPED,
@@ -111,6 +113,7 @@ class _Planner:
     step_options: Mapping[str, bool]
     rows: int
     devices: Sequence[jax.Device]
+    compile: Compiler = dataclasses.field(default_factory=Compiler)
     done: list[Candidate] = dataclasses.field(default_factory=list)
 
     @functools.cached_property
@@ -139,7 +142,9 @@ class _Planner:
     ) -> Candidate:
         """Lower `strategy`'s step for the abstract state and the batch, and compile it unless
         its memory formula is over the budget (or `always_compile`). Its estimated compute and
-        communication are at least `floor`'s (its layout without memory savers)."""
+        communication are at least `floor`'s (its layout without memory savers). A step XLA
+        refuses or aborts on (in the worker process: see `fleetjax.auto._isolated`) fails with
+        XLA's message."""
         try:
             step = self.step(strategy, layout)
             layout = layout or Layout.of(step)
@@ -158,7 +163,18 @@ class _Planner:
             lowered = step.lower(state, self.batch)
         except (ValueError, TypeError, NotImplementedError) as e:
             return self.add(layout, strategy, CANNOT_APPLY, note=str(e))
-        return self.compiled(step, strategy, layout, lowered.compile(), bytes_by_formula, floor)
+        try:
+            compiled = self.compile(lowered)
+        except CompileFailed as e:
+            return self.add(
+                layout,
+                strategy,
+                FAILED,
+                note=str(e),
+                state_bytes=bytes_by_formula.state,
+                formula_bytes=bytes_by_formula.floor,
+            )
+        return self.compiled(step, strategy, layout, compiled, bytes_by_formula, floor)
 
     def over_by_formula(self, layout: Layout, bytes_by_formula: Formula) -> str:
         """Why `layout` cannot fit by its memory formula ("" if it may): its state and gradients
@@ -194,7 +210,7 @@ class _Planner:
         step: TrainStep,
         strategy: DistributedStrategy,
         layout: Layout,
-        compiled: jax.stages.Compiled,
+        compiled: Compiled,
         bytes_by_formula: Formula,
         floor: Candidate | None,
     ) -> Candidate:
@@ -430,6 +446,7 @@ def search(
     devices: Sequence[jax.Device] | None = None,
     has_aux: bool = False,
     has_rng: bool = False,
+    isolate: bool = True,
 ) -> SearchResult:
     """Choose dp / sharding stage / mp / pp degrees, recompute and micro-batching for
     `loss_fn` on `params` and an example global `batch`, by compiling candidate steps (nothing
@@ -454,6 +471,11 @@ def search(
       devices: the devices to lay out (default: all); compile-only GPUs of a target
         (`fleetjax.targets.devices("h100", 1024)`) plan for a cluster that is not there.
       has_aux, has_rng: as for `make_train_step`.
+      isolate: compile each candidate in a worker process (on CPU devices and the
+        compile-only GPUs of `fleetjax.targets`; elsewhere in this process), so that a
+        candidate XLA aborts on (a failed check inside XLA ends the process compiling it) is
+        reported "failed" with XLA's message and the search goes on. False compiles in this
+        process.
 
     Returns:
       The `SearchResult`: the chosen strategy, every candidate and the reason.
@@ -494,6 +516,7 @@ def search(
         options,
         _rows(batch),
         devices,
+        Compiler(isolate),
     )
     if candidates is not None:
         _compile_given(planner, candidates)

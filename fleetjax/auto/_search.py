@@ -230,10 +230,11 @@ class _Planner:
         # one-row matmul into a reduction, which the matmul count misses).
         compute = max(compute, self.flops / self.device.peak_flops)
         if floor is not None and floor.cost is not None:
-            # Savers add matmuls (recompute) or split them (micro-batches), never take any
-            # away; they may well cut the memory term and the communication (what recompute
-            # no longer keeps, reads and gathers), so only the matmuls bound them.
-            compute = max(compute, floor.cost.matmul_flops / self.device.peak_flops)
+            if self.savers_only_add(floor.layout):
+                compute = max(compute, floor.compute_s)
+                communication = max(communication, floor.communication_s)
+            else:
+                compute = max(compute, floor.cost.matmul_flops / self.device.peak_flops)
         fits = on_device <= self.budget
         if not fits:
             note = "; ".join(filter(None, [f"over by {bytes_text(on_device - self.budget)}", note]))
@@ -283,14 +284,27 @@ class _Planner:
         tried: set[tuple[int, ...]] = set()
         for base in sorted(short, key=lambda c: (c.time_s, c.layout.order())):
             best = self.best()
-            matmuls = base.cost.matmul_flops / self.device.peak_flops
-            bound = max(self.lower_bound(base.layout), matmuls)
+            bound = max(self.lower_bound(base.layout), self.savers_floor(base))
             if split(base.layout) in tried or (best is not None and bound >= best.time_s):
                 continue
             tried.add(split(base.layout))
             for lean in self.alike(base):
                 for layout in savers(lean.layout, self.rows):
                     self.consider(layout, floor=lean if lean.cost is not None else None)
+
+    def savers_only_add(self, layout: Layout) -> bool:
+        """Whether memory savers only add work to `layout`'s estimate: without a memory term
+        and a pipeline. Recompute and micro-batches add matmuls (or split them), never take any
+        away; but what recompute no longer keeps a step no longer reads and writes (the memory
+        term) and a pipeline no longer gathers (its kept inputs split over mp)."""
+        return self.device.hbm_bandwidth is None and layout.pp == 1
+
+    def savers_floor(self, base: Candidate) -> float:
+        """A time no memory saver on `base`'s layout beats: its estimate where savers only add
+        work, else the time of its matmuls."""
+        if self.savers_only_add(base.layout):
+            return base.time_s
+        return base.cost.matmul_flops / self.device.peak_flops
 
     def alike(self, base: Candidate) -> list[Candidate]:
         """The layouts over the budget that split the activations as `base` does and whose
@@ -332,9 +346,7 @@ class _Planner:
             if c.formula_bytes is not None and c.formula_bytes > self.budget:
                 return f"its state and gradients are #{c.index}'s, {bytes_text(c.formula_bytes)}"
             if c.layout == layout.base and c.cost is not None:
-                # Savers only add matmuls to their layout (their memory term and
-                # communication may fall: recompute keeps, reads and sends less).
-                bound = max(bound, c.cost.matmul_flops / self.device.peak_flops)
+                bound = max(bound, self.savers_floor(c))
         if reason := self.predicted_over(layout):
             return reason
         best = self.best()

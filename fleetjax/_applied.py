@@ -220,24 +220,8 @@ def _amp(config: Any) -> str:
     return ", ".join(parts)
 
 
-_REBUILDS = {
-    "lars": ("a Momentum is rebuilt as LARS momentum", "lars_configs"),
-    "lamb": ("an Adam is rebuilt as LAMB", "lamb_configs"),
-    "dgc": ("a Momentum is rebuilt as DGC momentum (top-k sparse exchange)", "dgc_configs"),
-    "localsgd": (
-        "each replica trains its own parameters, averaged periodically",
-        "localsgd_configs",
-    ),
-    "adaptive_localsgd": (
-        "each replica trains its own parameters, averaged at an interval that follows the loss",
-        "adaptive_localsgd_configs",
-    ),
-}
-
-
 def _optimizer(switch: OptimizerSwitch, optimizer: DistributedOptimizer | None) -> str:
-    what, section = _REBUILDS[switch.name]
-    text = f"{what}: {section} {dict(switch.configs)}"
+    text = f"{switch.row.what}: {switch.row.configs} {dict(switch.configs)}"
     if optimizer is not None and isinstance(optimizer.inner, PaddleOptimizer):
         text += f"; {optimizer.user!r} became {optimizer.inner!r}"
     return text

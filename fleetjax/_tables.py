@@ -27,6 +27,7 @@ from jax.sharding import Mesh, PartitionSpec
 from fleetjax.layers import is_table, logical_to_spec
 from fleetjax.layers.sparse_embedding import TABLE_ROWS, TouchedRows, lookup_scope, on_host
 from fleetjax.mesh import data_axes, spec_axes
+from fleetjax.optimizers import STEP_SWITCHES, check_combination
 from fleetjax.plan import Plan, SparseTableConfig
 from fleetjax.transforms import sparse_rows
 from fleetjax.transforms.sparse_rows import GeoRows, SparseRule
@@ -135,34 +136,14 @@ def _rule(config: SparseTableConfig, dim: int) -> SparseRule:
     return sparse_rows.sparse_accessor(made(config.embed), made(config.embedx))
 
 
-def _check_combinations(plan: Plan) -> None:
-    clash = (
-        "the pipeline (a table is looked up in the model's first stage only)"
-        if plan.pipeline is not None
-        else f"{plan.optimizer.name} (it steps each replica's own optimizer)"
-        if plan.per_replica and plan.optimizer.name != "geo"
-        else "gradient merge across calls (a table's touched rows change from step to step; "
-        "use the in-step merge, Strategy.gradient_merge or gradient_merge_configs.mode="
-        "'in_step')"
-        if plan.gradient_merge is not None and not plan.gradient_merge.in_step
-        else None
-    )
-    if clash:
-        raise ValueError(f"sparse tables do not combine with {clash}")
-
-
-def _check_host_tables(plan: Plan, found: Mapping[str, Any]) -> None:
-    """Geo-SGD keeps a whole copy of every table on each replica and exchanges it by gathers:
-    host memory cannot hold that plan."""
+def _check_combinations(plan: Plan, found: Mapping[str, Any]) -> None:
+    """Sparse tables' clashes with the plan's switches (`fleetjax.optimizers.check_combination`):
+    the model has tables, and perhaps some in pinned host memory (named by the first)."""
+    on = {**plan.switches, "sparse_tables": STEP_SWITCHES["sparse_tables"]}
     host = sorted(name for name, table in found.items() if on_host(table))
-    k_steps = plan.parameter_server.geo_k_steps
-    if host and k_steps:
-        raise ValueError(
-            f"sparse table {host[0]!r} has memory_kind='pinned_host', which does not combine "
-            f"with Geo-SGD (a_sync=True, a_sync_configs.k_steps={k_steps}): each replica "
-            "keeps and exchanges a whole copy of the table; use memory_kind='device', or the "
-            "synchronous step (a_sync=False)"
-        )
+    if host:
+        on["host_tables"] = f"sparse table {host[0]!r} with memory_kind='pinned_host'"
+    check_combination(on)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,8 +181,7 @@ class Tables:
             )
         if not found:
             return None
-        _check_combinations(plan)
-        _check_host_tables(plan, found)
+        _check_combinations(plan, found)
         rules = {name: _rule(server.table(name), t.shape[1]) for name, t in found.items()}
         geo = server.geo_k_steps
         axes = () if geo else spec_axes(logical_to_spec((TABLE_ROWS, None), mesh=mesh))

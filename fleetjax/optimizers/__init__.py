@@ -34,7 +34,14 @@ from fleetjax.optimizers._localsgd import (
 )
 from fleetjax.optimizers._lr import get_lr, set_lr
 from fleetjax.optimizers._names import param_names
-from fleetjax.optimizers._rebuild import rebuild
+from fleetjax.optimizers._switches import (
+    GEO,
+    STEP_SWITCHES,
+    SWITCHES,
+    Switch,
+    check_combination,
+    rebuild,
+)
 
 __all__ = [
     # Paddle's optimizers
@@ -76,6 +83,11 @@ __all__ = [
     "sparsity_at",
     "top_k_count",
     "next_k_steps",
-    # Paddle's optimizer switches
+    # Paddle's optimizer switches: the table, their rebuild, and which switches combine
+    "SWITCHES",
+    "STEP_SWITCHES",
+    "GEO",
+    "Switch",
+    "check_combination",
     "rebuild",
 ]

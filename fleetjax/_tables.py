@@ -25,12 +25,13 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from fleetjax.layers import is_table, logical_to_spec
-from fleetjax.layers.sparse_embedding import TABLE_ROWS, TouchedRows, lookup_scope, on_host
+from fleetjax.layers.sparse_embedding import TABLE_ROWS, TouchedRows, on_host
 from fleetjax.mesh import data_axes, spec_axes
-from fleetjax.optimizers import STEP_SWITCHES, check_combination
+from fleetjax.optimizers import STEP_SWITCHES, check_combination, sparse_rules
+from fleetjax.optimizers.sparse_rules import SparseRule
 from fleetjax.plan import Plan, SparseTableConfig
 from fleetjax.transforms import sparse_rows
-from fleetjax.transforms.sparse_rows import GeoRows, SparseRule
+from fleetjax.transforms.sparse_rows import GeoRows
 
 __all__ = ["Rows", "Tables", "TablesState", "init_state", "slot_specs", "step_rows"]
 
@@ -132,8 +133,8 @@ def _rule(config: SparseTableConfig, dim: int) -> SparseRule:
                 f"embedding_dim is {dim}: Paddle's SparseAccessor has embedx_dim = "
                 f"embedding_dim - 1 = {dim - 1} and fea_dim = embedding_dim + 2 = {dim + 2}"
             )
-    made = lambda r: sparse_rows.paddle_rule(r.name, **r.params)  # noqa: E731
-    return sparse_rows.sparse_accessor(made(config.embed), made(config.embedx))
+    made = lambda r: sparse_rules.paddle_rule(r.name, **r.params)  # noqa: E731
+    return sparse_rules.sparse_accessor(made(config.embed), made(config.embedx))
 
 
 def _check_combinations(plan: Plan, found: Mapping[str, Any]) -> None:
@@ -198,18 +199,11 @@ class Tables:
     ) -> Rows:
         """The rows `loss_fn` (taking the model state too if `has_state`) touches on `batch`,
         fetched from their owners (see `Rows`)."""
-        named = sparse_rows.name_tables(params)
         state = (model_state,) if has_state else ()
         mesh = None if self.geo_k_steps else self.mesh  # Geo: inside each replica
-        touched = sparse_rows.touched_rows(
-            lambda: loss_fn(named, *state, batch, *rest), sparse_rows.tables(named), mesh
+        views, replaying, touched = sparse_rows.touched_views(
+            loss_fn, params, (*state, batch, *rest), mesh, self.axes
         )
-
-        def replaying(*args: Any) -> Any:
-            with lookup_scope(touched):
-                return loss_fn(*args)
-
-        views = sparse_rows.row_views(named, touched, mesh, self.axes)
         return Rows(views, replaying, touched, self)
 
     def geo(

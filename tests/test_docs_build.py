@@ -27,6 +27,7 @@ PUBLIC_MODULES = (
     "fleetjax.fleet.auto",
     "fleetjax.fleet.utils",
     "fleetjax.optimizers",
+    "fleetjax.optimizers.sparse_rules",
     "fleetjax.mesh",
     "fleetjax.checkpoint",
     "fleetjax.data",

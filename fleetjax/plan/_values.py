@@ -97,7 +97,7 @@ class OptimizerSwitch:
 @dataclasses.dataclass(frozen=True)
 class SparseRuleConfig:
     """One of Paddle's `SGDParameter`s (a table's `embed_sgd_param` or `embedx_sgd_param`):
-    the rule's name and its parameters, as `fleetjax.transforms.sparse_rows.paddle_rule`
+    the rule's name and its parameters, as `fleetjax.optimizers.sparse_rules.paddle_rule`
     takes them."""
 
     name: str

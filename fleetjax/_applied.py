@@ -19,8 +19,8 @@ from jax.sharding import Mesh
 
 from fleetjax import xla_flags
 from fleetjax.distributed_optimizer import DistributedOptimizer
-from fleetjax.mesh import AXES
-from fleetjax.optimizers import PaddleOptimizer
+from fleetjax.mesh import AXES, data_axes, data_parallel_size
+from fleetjax.optimizers import PaddleOptimizer, rebuild
 from fleetjax.plan import NoEffect, OptimizerSwitch, Plan, read_plan
 from fleetjax.strategy import DistributedStrategy, Strategy
 from fleetjax.transforms import amp
@@ -222,8 +222,16 @@ def _amp(config: Any) -> str:
 
 def _optimizer(switch: OptimizerSwitch, optimizer: DistributedOptimizer | None) -> str:
     text = f"{switch.row.what}: {switch.row.configs} {dict(switch.configs)}"
-    if optimizer is not None and isinstance(optimizer.inner, PaddleOptimizer):
-        text += f"; {optimizer.user!r} became {optimizer.inner!r}"
+    if optimizer is not None:
+        rebuilt = rebuild(
+            optimizer.user,
+            switch.name,
+            switch.configs,
+            data_parallel_size(optimizer.mesh),
+            data_axes(optimizer.mesh),
+        )
+        if isinstance(rebuilt, PaddleOptimizer):  # a wrapper (LocalSGD) has nothing to show
+            text += f"; {optimizer.user!r} became {rebuilt!r}"
     return text
 
 

@@ -371,7 +371,7 @@ def explain(
     compiled = step.lower(state, batch).compile()
     memory = compiled.memory_analysis()
     abstract = jax.eval_shape(lambda s: s, state)
-    placement = step.placement
+    placement = step.spec(state).placement
     if placement.grads is None:  # per-replica optimizers: each device's own full gradient
         grads = device_bytes(abstract.params, placement.params)
         if not step.plan.replica_params:  # replicated parameters, one full gradient

@@ -1,10 +1,11 @@
 """A train step's sparse tables (Paddle's parameter-server mode): which they are, their rules,
 and the step's part for them.
 
-Where the parameters hold `fleetjax.layers.SparseTable`s the step (fleetjax.step) does
+Where the parameters hold `fleetjax.layers.SparseTable`s, `Tables.find` finds them once, with
+the step's placement (`fleetjax.step.StepSpec`), and the step does
 
-    params, opt_state = init_state(plan, mesh, optimizer, params)    # tables named, slots made
-    rows = step_rows(plan, mesh, loss_fn, signature, state, batch, rest)
+    params, opt_state = tables.init(optimizer, params)    # tables named, slots made
+    rows = tables.touched(loss_fn, has_state, params, model_state, batch, rest)
     ... the gradient chain on rows.params (each table its touched rows) with rows.loss_fn ...
     params, opt_state = rows.apply(optimizer, grads, opt_state, params, step, loss)
 
@@ -17,12 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import optax
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh
 
 from fleetjax.layers import is_table, logical_to_spec
 from fleetjax.layers.sparse_embedding import TABLE_ROWS, TouchedRows, on_host
@@ -31,41 +32,26 @@ from fleetjax.optimizers import STEP_SWITCHES, check_combination, sparse_rules
 from fleetjax.optimizers.sparse_rules import SparseRule
 from fleetjax.plan import Plan, SparseTableConfig
 from fleetjax.transforms import sparse_rows
-from fleetjax.transforms.sparse_rows import GeoRows
+from fleetjax.transforms.sparse_rows import GeoRows, TablesState
 
-__all__ = ["Rows", "Tables", "TablesState", "init_state", "slot_specs", "step_rows"]
-
-
-class TablesState(NamedTuple):
-    """The optimizer state of a step with sparse tables.
-
-    Attributes:
-      dense: the optimizer's state for the dense parameters.
-      slots: each table's rule slots (one row per table row), by table name.
-      geo: under Geo-SGD, each table's exchange state (`GeoRows`), by name; else None.
-    """
-
-    dense: Any
-    slots: dict[str, Any]
-    geo: dict[str, GeoRows] | None
+__all__ = ["Rows", "Tables"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Rows:
-    """What one step's gradient chain trains (`step_rows`).
+    """What one step's gradient chain trains (`Tables.touched`).
 
     Attributes:
       params: the parameters, each table's value its touched rows ``[U, D]``.
       loss_fn: the user's loss, its lookups reading those rows.
       touched: each table's distinct ids, by name.
-      tables: the step's tables (None: the model has none, and `params` and `loss_fn` are
-        the step's own).
+      tables: the step's tables.
     """
 
     params: Any
     loss_fn: Callable[..., Any]
     touched: dict[str, TouchedRows]
-    tables: Tables | None
+    tables: Tables
 
     @property
     def metrics(self) -> dict[str, jax.Array]:
@@ -101,25 +87,6 @@ class Rows:
         if geo is not None:
             params, geo = tables.geo(params, geo, self.touched, step)
         return params, TablesState(dense_state, slots, geo)
-
-
-def step_rows(
-    plan: Plan,
-    mesh: Mesh,
-    loss_fn: Callable[..., Any],
-    signature: Any,
-    state: Any,
-    batch: Any,
-    rest: tuple[Any, ...],
-) -> Rows:
-    """What the gradient chain of a step on `state` (a `TrainState`) trains: with sparse
-    tables, each table as the rows `batch` touches (`Tables.touched`); without, the
-    parameters and `loss_fn` as they are. `signature` is the loss's (`fleetjax._chain`)."""
-    tables = Tables.find(plan, mesh, state.params)
-    if tables is None:
-        return Rows(state.params, loss_fn, {}, None)
-    has_state = signature.has_state
-    return tables.touched(loss_fn, has_state, state.params, state.model_state, batch, rest)
 
 
 def _rule(config: SparseTableConfig, dim: int) -> SparseRule:
@@ -206,6 +173,17 @@ class Tables:
         )
         return Rows(views, replaying, touched, self)
 
+    def init(self, optimizer: optax.GradientTransformation, params: Any) -> tuple[Any, TablesState]:
+        """(params, optimizer state) of a fresh step: the tables named, the optimizer's state of
+        the dense parameters, each table's slots and, under Geo-SGD, its exchange state."""
+        params = sparse_rows.name_tables(params)
+        found = sparse_rows.tables(params)
+        geo = None
+        if self.geo_k_steps:
+            geo = {name: sparse_rows.geo_init(table[...]) for name, table in found.items()}
+        dense = optimizer.init(sparse_rows.without_tables(params))
+        return params, TablesState(dense, sparse_rows.init_slots(self.rules, found), geo)
+
     def geo(
         self, params: Any, geo: dict[str, GeoRows], touched: dict[str, TouchedRows], step: Any
     ) -> tuple[Any, dict[str, GeoRows]]:
@@ -231,38 +209,3 @@ class Tables:
 
         due = (step + 1) % self.geo_k_steps == 0
         return lax.cond(due, exchange, lambda p, g: (p, g), params, geo)
-
-
-def init_state(
-    plan: Plan, mesh: Mesh, optimizer: optax.GradientTransformation, params: Any
-) -> tuple[Any, Any]:
-    """(params, optimizer state) of a fresh step: with sparse tables, the tables named and a
-    `TablesState` (the optimizer's state of the dense parameters, each table's slots)."""
-    tables = Tables.find(plan, mesh, params)
-    if tables is None:
-        return params, optimizer.init(params)
-    params = sparse_rows.name_tables(params)
-    found = sparse_rows.tables(params)
-    geo = None
-    if tables.geo_k_steps:
-        geo = {name: sparse_rows.geo_init(table[...]) for name, table in found.items()}
-    dense = optimizer.init(sparse_rows.without_tables(params))
-    return params, TablesState(dense, sparse_rows.init_slots(tables.rules, found), geo)
-
-
-def slot_specs(opt_state: TablesState, params: Any, specs: Any) -> tuple[dict, dict | None]:
-    """(slots, geo) specs of a `TablesState`: split over the axes of their table's rows, which
-    `specs` (shaped like `params`) give."""
-    row_axes = {}
-
-    def note(table: Any, spec: Any) -> None:
-        if is_table(table):
-            spec = spec.get_value() if is_table(spec) else spec  # nnx keeps the wrapper
-            row_axes[table.get_metadata()["table_name"]] = PartitionSpec(spec[0])
-
-    jax.tree.map(note, params, specs, is_leaf=is_table)
-
-    def by_name(tree: dict[str, Any]) -> dict[str, Any]:
-        return {name: jax.tree.map(lambda _, s=row_axes[name]: s, v) for name, v in tree.items()}
-
-    return by_name(opt_state.slots), None if opt_state.geo is None else by_name(opt_state.geo)

@@ -31,7 +31,6 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from fleetjax._tables import TablesState, slot_specs
 from fleetjax._warnings import warn_once
 from fleetjax.layers import is_table, partition_specs
 from fleetjax.layers.sparse_embedding import on_host
@@ -46,7 +45,7 @@ from fleetjax.mesh import (
 from fleetjax.plan import Plan
 from fleetjax.train_state import TrainState
 from fleetjax.transforms.pipeline import PipelineParams
-from fleetjax.transforms.sparse_rows import tables, without_tables
+from fleetjax.transforms.sparse_rows import TablesState, tables, without_tables
 
 __all__ = ["Placement", "model_state_shardings", "param_shardings", "place"]
 
@@ -230,13 +229,31 @@ def _opt_state_specs(optimizer: optax.GradientTransformation, opt_state: Any, sp
     return found[0]
 
 
+def _slot_specs(opt_state: TablesState, params: Any, specs: Any) -> tuple[dict, dict | None]:
+    """(slots, geo) specs of a `TablesState`: split over the axes of their table's rows, which
+    `specs` (shaped like `params`) give."""
+    row_axes = {}
+
+    def note(table: Any, spec: Any) -> None:
+        if is_table(table):
+            spec = spec.get_value() if is_table(spec) else spec  # nnx keeps the wrapper
+            row_axes[table.get_metadata()["table_name"]] = PartitionSpec(spec[0])
+
+    jax.tree.map(note, params, specs, is_leaf=is_table)
+
+    def by_name(tree: dict[str, Any]) -> dict[str, Any]:
+        return {name: jax.tree.map(lambda _, s=row_axes[name]: s, v) for name, v in tree.items()}
+
+    return by_name(opt_state.slots), None if opt_state.geo is None else by_name(opt_state.geo)
+
+
 def _opt_specs(optimizer: optax.GradientTransformation, opt_state: Any, params: Any, specs: Any):
     """The optimizer state's specs; with sparse tables (a `TablesState`) the dense part's as
     the optimizer keeps it, the tables' slots split as their rows."""
     if not isinstance(opt_state, TablesState):
         return _opt_state_specs(optimizer, opt_state, specs)
     dense = _opt_state_specs(optimizer, opt_state.dense, without_tables(specs, params))
-    return TablesState(dense, *slot_specs(opt_state, params, specs))
+    return TablesState(dense, *_slot_specs(opt_state, params, specs))
 
 
 def _rows_whole(specs: Any, params: Any) -> Any:

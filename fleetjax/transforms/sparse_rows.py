@@ -57,6 +57,7 @@ from fleetjax.optimizers.sparse_rules import SparseRule
 
 __all__ = [
     "GeoRows",
+    "TablesState",
     "apply_rows",
     "gather_rows",
     "geo_exchange",
@@ -371,6 +372,20 @@ class GeoRows(NamedTuple):
 
     old: jax.Array
     changed: jax.Array
+
+
+class TablesState(NamedTuple):
+    """The optimizer state of a step with sparse tables.
+
+    Attributes:
+      dense: the optimizer's state for the dense parameters.
+      slots: each table's rule slots (one row per table row), by table name.
+      geo: under Geo-SGD, each table's exchange state (`GeoRows`), by name; else None.
+    """
+
+    dense: Any
+    slots: dict[str, Any]
+    geo: dict[str, GeoRows] | None
 
 
 def geo_init(table: jax.Array) -> GeoRows:

@@ -150,9 +150,7 @@ def update(
         (params, opt_state), loss_scale, extra = apply(grads), None, {}
     else:  # a non-finite gradient leaves parameters and optimizer state unchanged
         kept, scale = (state.params, opt_state), state.loss_scale
-        (params, opt_state), loss_scale, extra = apply_if_finite(
-            apply, kept, grads, scale, agree
-        )
+        (params, opt_state), loss_scale, extra = apply_if_finite(apply, kept, grads, scale, agree)
     new = TrainState(state.step + 1, params, opt_state, state.rng, loss_scale, out.model_state)
     tables = {} if rows is None else rows.metrics
     return new, {"loss": out.loss, **out.aux, **extra, **tables}

@@ -48,6 +48,7 @@ PUBLIC_MODULES = (
     "fleetjax.xla_flags",
     "fleetjax.auto",
     "fleetjax.targets",
+    "fleetjax.cost",
 )
 
 

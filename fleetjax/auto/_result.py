@@ -10,8 +10,8 @@ from typing import Any
 import jax
 import optax
 
-from fleetjax.auto._cost import DeviceSpec, HloCost, bytes_text
 from fleetjax.auto._layouts import Layout
+from fleetjax.cost import DeviceSpec, HloCost, bytes_text
 from fleetjax.plan import mesh_for, read_plan
 from fleetjax.step import TrainStep, make_train_step
 from fleetjax.strategy import DistributedStrategy

@@ -42,15 +42,7 @@ import jax
 import numpy as np
 import optax
 
-from fleetjax.auto._cost import (
-    DeviceSpec,
-    bytes_text,
-    default_memory_budget,
-    device_spec,
-    model_flops,
-    network_share,
-    step_cost,
-)
+from fleetjax import targets
 from fleetjax.auto._isolated import Compiled, CompileFailed, Compiler
 from fleetjax.auto._layouts import (
     Layout,
@@ -60,7 +52,7 @@ from fleetjax.auto._layouts import (
     split,
     uses_mp,
 )
-from fleetjax.auto._memory import Formula, compiled_bytes, formula
+from fleetjax.auto._memory import Formula, default_memory_budget, formula
 from fleetjax.auto._result import (
     CANNOT_APPLY,
     FAILED,
@@ -71,6 +63,14 @@ from fleetjax.auto._result import (
     SearchResult,
     name,
     table,
+)
+from fleetjax.cost import (
+    DeviceSpec,
+    bytes_text,
+    compiled_bytes,
+    model_flops,
+    network_share,
+    step_cost,
 )
 from fleetjax.distributed_optimizer import DistributedOptimizer
 from fleetjax.layers import partition_specs
@@ -399,7 +399,7 @@ class _Planner:
 
     def network_share(self, layout: Layout) -> float:
         """The share of a gradient reduction over `layout`'s replicas that crosses the network
-        (`fleetjax.auto._cost.network_share` of the data axes' group of the first device)."""
+        (`fleetjax.cost.network_share` of the data axes' group of the first device)."""
         mesh = mesh_for(read_plan(layout.strategy(self.base, self.rows)), self.devices)
         index = tuple(slice(None) if a in ("dp", "sharding") else 0 for a in mesh.axis_names)
         group = mesh.devices[index].flatten()
@@ -514,7 +514,7 @@ def search(
     budget, source = _budget(memory_budget, devices[0])
     specs = param_specs if param_specs is not None else partition_specs(params)
     if device is None:
-        device = device_spec(devices[0], half_precision=base_plan.amp is not None)
+        device = targets.device_spec(devices[0], half_precision=base_plan.amp is not None)
     options = {"has_aux": has_aux, "has_rng": has_rng}
     planner = _Planner(
         loss_fn,

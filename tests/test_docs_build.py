@@ -49,6 +49,7 @@ PUBLIC_MODULES = (
     "fleetjax.auto",
     "fleetjax.targets",
     "fleetjax.cost",
+    "fleetjax.knobs",
 )
 
 

@@ -23,7 +23,7 @@ import optax
 from jax.sharding import Mesh
 
 from fleetjax._batch import BatchShapes, abstract_batch, check_batch, place_batch
-from fleetjax._chain import Loss, Signature, stage_order
+from fleetjax._chain import Loss, Signature, grad_chain, stage_order
 from fleetjax._checks import check_model_state, check_params, check_state
 from fleetjax._tables import Tables
 from fleetjax._update import StepSpec, initial_state, train_step, update
@@ -34,7 +34,15 @@ from fleetjax.strategy import DistributedStrategy, Strategy
 from fleetjax.train_state import TrainState
 from fleetjax.transforms.pipeline import PipelineLayer
 
-__all__ = ["StepSpec", "TrainStep", "make_train_step", "train_step", "update"]
+__all__ = [
+    "Signature",
+    "StepSpec",
+    "TrainStep",
+    "grad_chain",
+    "make_train_step",
+    "train_step",
+    "update",
+]
 
 
 class TrainStep:

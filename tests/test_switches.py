@@ -14,11 +14,8 @@ from fleetjax.plan import OPTIMIZER_SWITCHES, PLANNED_SWITCHES, read_plan
 # How a strategy turns each switch on (in this order: assigning a_sync resets its k_steps), and
 # the feature `applied_strategy` lists for it.
 SETTINGS = {
-    "lars": ({"lars": True}, "optimizer"),
-    "lamb": ({"lamb": True}, "optimizer"),
-    "dgc": ({"dgc": True}, "optimizer"),
-    "localsgd": ({"localsgd": True}, "optimizer"),
-    "adaptive_localsgd": ({"adaptive_localsgd": True}, "optimizer"),
+    # An optimizer switch with a flag is turned on by it (a new one needs nothing here).
+    **{name: ({name: True}, "optimizer") for name, s in opt.SWITCHES.items() if s.flag},
     "geo": ({"a_sync": True, "a_sync_configs": {"k_steps": 4}}, "optimizer"),
     "sharding": ({"sharding": True, "sharding_configs": {"sharding_degree": 2}}, "sharding"),
     "sharding_stage_2": (

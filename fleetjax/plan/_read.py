@@ -188,7 +188,7 @@ def _optimizer_switch(s: DistributedStrategy) -> OptimizerSwitch | None:
         return OptimizerSwitch(GEO.name, types.MappingProxyType({"k_steps": geo}))
     if not on:
         return None
-    configs = getattr(s, f"{on[0]}_configs")
+    configs = getattr(s, SWITCHES[on[0]].configs)
     return OptimizerSwitch(on[0], types.MappingProxyType(dict(configs.to_dict())))
 
 

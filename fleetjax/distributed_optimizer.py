@@ -9,10 +9,9 @@ from typing import Any
 import optax
 from jax.sharding import Mesh
 
-from fleetjax import xla_flags
 from fleetjax.mesh import data_axes, data_parallel_size
 from fleetjax.optimizers import rebuild
-from fleetjax.plan import Plan, check_mesh, mesh_for, read_plan
+from fleetjax.plan import Plan, check_mesh, mesh_for, prepare, read_plan
 from fleetjax.strategy import DistributedStrategy, Strategy
 from fleetjax.transforms import gradient_merge
 
@@ -94,12 +93,11 @@ def bind(
             f"got {type(optimizer).__name__}"
         )
     strategy = DistributedStrategy() if strategy is None else strategy
-    plan = read_plan(strategy)
-    # Before anything starts JAX's backend (building the mesh does); fleet.init did it already.
-    xla_flags.apply(plan.xla_flags, plan.strategy)
-    if mesh is None:
+    if mesh is None:  # the process's mesh: its flags first (fleet.init did both already)
+        plan, _ = prepare(strategy)
         mesh = mesh_for(plan)
-    else:
+    else:  # the backend started already: a given mesh leaves XLA_FLAGS alone
+        plan = read_plan(strategy)
         check_mesh(plan, mesh)
     return DistributedOptimizer(
         assemble(optimizer, plan, mesh), strategy.__copy__(), mesh, optimizer, plan

@@ -26,7 +26,7 @@ from fleetjax.fleet._trainer import Trainer, learning_rate
 from fleetjax.fleet.base.role_maker import PaddleCloudRoleMaker, Role, RoleMakerBase
 from fleetjax.fleet.base.util_factory import UtilBase
 from fleetjax.optimizers import set_lr
-from fleetjax.plan import mesh_for, read_plan
+from fleetjax.plan import mesh_for, prepare
 from fleetjax.strategy import DistributedStrategy, Strategy
 
 logger = logging.getLogger("fleetjax")
@@ -185,8 +185,7 @@ class Fleet:
         # First: anything below may start JAX's backend (a role maker asking jax for the
         # process index, the mesh), and XLA reads XLA_FLAGS only then.
         strategy = _paddle_env.apply(strategy)
-        plan = read_plan(strategy)  # fail fast on settings fleetjax cannot apply
-        self._xla_flags = xla_flags.apply(plan.xla_flags, plan.strategy)
+        plan, self._xla_flags = prepare(strategy)  # fails fast on what fleetjax cannot apply
         if role_maker is None:
             collective = default_role_maker
             role_maker = collective() if is_collective else PaddleCloudRoleMaker(False)
@@ -257,8 +256,7 @@ class Fleet:
                 "fleet.init(); pass it to fleet.init() instead"
             )
             strategy = _paddle_env.apply(strategy)
-            plan = read_plan(strategy)
-            self._xla_flags = xla_flags.apply(plan.xla_flags, plan.strategy)
+            plan, self._xla_flags = prepare(strategy)
             self._mesh = mesh_for(plan)
             self._strategy = strategy.__copy__()
             self.util._set_strategy(self._strategy)

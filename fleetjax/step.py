@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from fleetjax import _liveness
 from fleetjax._batch import BatchShapes, abstract_batch, check_batch, place_batch
 from fleetjax._chain import Loss, Signature, grad_chain, stage_order
 from fleetjax._checks import check_model_state, check_params, check_state
@@ -197,7 +198,7 @@ class TrainStep:
             (params, rng, model_state),
             (params_in, replicated(self.mesh), placement.model_state),
         )
-        with jax.set_mesh(self.mesh):
+        with jax.set_mesh(self.mesh), _liveness.busy():  # compiling: progress to fleetjax-run
             self._issued = jax.jit(self._initial_state, out_shardings=placement.state)(*placed)
         return self._issued
 
@@ -217,8 +218,9 @@ class TrainStep:
         if state is not self._issued and self.abstract_state is not None:
             check_state(state, self.abstract_state, self.placement.state)
         compiled = self.compiled(state, steps)
-        # Layers constrain activations by logical name against the ambient mesh.
-        with jax.set_mesh(self.mesh):
+        # Layers constrain activations by logical name against the ambient mesh; each step is
+        # progress for fleetjax-run's hang watch, and so is the first call's compiling.
+        with jax.set_mesh(self.mesh), _liveness.progress(self, steps):
             out = compiled(state, batch)
         self._issued = out[0]
         return jax.block_until_ready(out) if self._one_at_a_time else out

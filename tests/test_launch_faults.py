@@ -41,6 +41,22 @@ def test_a_failing_worker_stops_the_others(launcher, tmp_path):
     _all_gone(tmp_path / "log", timeout=0)
 
 
+def test_one_traceback_and_nothing_after_the_stop_line(launcher, tmp_path):
+    # Worker 0, whose log the console shows, raises: its traceback is on the console once (not
+    # again as "the end of its log"); worker 1 prints when it gets SIGTERM, into its log only.
+    proc = launcher("--nproc_per_node", "2", "--start_port", str(free_port()), str(WORKER), "fail0")
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert (out + err).count("Traceback (most recent call last)") == 1, out + err
+    assert "RuntimeError: worker 0 fails on purpose" in out
+    assert err.endswith("fleetjax-run: worker 0 exited with code 1; stopping all workers\n"), err
+    assert "worker 1 got SIGTERM" in (tmp_path / "log" / "workerlog.1").read_text()
+    assert "SIGTERM" not in out + err
+    # The traceback starts at the script: no frame of the launcher's entry (runpy).
+    assert "runpy" not in out and "fleetjax/_worker.py" not in out
+    _all_gone(tmp_path / "log", timeout=0)
+
+
 def test_a_raising_worker_is_named_within_10_s(launcher, tmp_path):
     # Worker 1 raises right after joining, worker 0 computes: the job must not wait in JAX's
     # shutdown barrier, nor blame worker 0.
@@ -54,10 +70,87 @@ def test_a_raising_worker_is_named_within_10_s(launcher, tmp_path):
     assert "fleetjax-run: worker 1 exited with code 1; stopping all workers" in err
     assert "RuntimeError: worker 1 fails on purpose" in err
     assert 'in main\n    raise RuntimeError("worker 1 fails on purpose")' in err
+    assert err.count("Traceback (most recent call last)") == 1
     assert "worker 0" not in err
     log0 = (tmp_path / "log" / "workerlog.0").read_text()
     assert "Shutdown barrier" not in err + log0
     _all_gone(tmp_path / "log", timeout=0)
+
+
+def _training(launcher, tmp_path, fault: str, *options: str) -> tuple[int, str, float]:
+    """Two workers training with a TrainStep; worker 1's fault at step 5. The launcher's exit
+    code, its stderr, and how long after the fault it exited."""
+    proc = launcher(
+        "--nproc_per_node", "2", "--cpu_devices_per_proc", "2", "--start_port", str(free_port()),
+        *options, str(WORKER), "steps", fault,
+    )  # fmt: skip
+    _, err = proc.communicate(timeout=120)
+    ended = time.time()
+    fault_at = re.search(r"fault at ([\d.]+)", (tmp_path / "log" / "workerlog.1").read_text())
+    _all_gone(tmp_path / "log", timeout=0)
+    return proc.returncode, err, ended - float(fault_at[1]) if fault_at else float("nan")
+
+
+def test_a_worker_that_exits_while_the_others_are_in_a_collective_is_named_at_once(
+    launcher, tmp_path
+):
+    # sys.exit(3) runs JAX's exit handler, which waits up to 5 minutes in the shutdown
+    # barrier for worker 0, which waits in the step's all-reduce for worker 1.
+    code, err, after = _training(launcher, tmp_path, "exit3")
+    print(f"the launcher exited {after:.1f} s after worker 1's sys.exit(3)")
+    assert after < 10
+    assert code == 3
+    assert err.endswith("fleetjax-run: worker 1 exited with code 3; stopping all workers\n"), err
+    assert "worker 0" not in err
+
+
+def test_a_worker_that_leaves_early_with_code_0_is_named_at_once(launcher, tmp_path):
+    # os._exit(0) after joining: gone without JAX's shutdown barrier, while worker 0 needs it
+    # in its all-reduce (which would fail only when JAX misses its heartbeats, 10 s later).
+    code, err, after = _training(launcher, tmp_path, "os_exit0")
+    print(f"the launcher exited {after:.1f} s after worker 1's os._exit(0)")
+    assert after < 10
+    assert code == 1
+    assert err.endswith(
+        "fleetjax-run: worker 1 exited with code 0 without ending its script (os._exit?) while "
+        "the others ran, who need it in their collectives; stopping all workers\n"
+    ), err
+
+
+def test_a_spinning_worker_is_named_not_those_waiting_for_it(launcher, tmp_path):
+    # Worker 1 spins in Python after 5 steps; worker 0 waits in step 6's all-reduce. Neither
+    # prints; worker 0 made one more TrainStep call, so worker 1 is the one it waits for.
+    code, err, after = _training(launcher, tmp_path, "spin", "--heartbeat_timeout", "6")
+    print(f"the launcher exited {after:.1f} s after worker 1 began to spin")
+    assert 6 < after < 6 + 10
+    assert code == 124
+    assert (
+        "fleetjax-run: worker 1 made no progress for 6 s (no output, no step, no heartbeat; "
+        "--heartbeat_timeout 6) after 5 steps, the fewest; stopping all workers\n"
+    ) in err, err
+
+
+def test_train_steps_are_progress(launcher, tmp_path):
+    # 10 s of silent training under a 6 s timeout (longer than importing JAX on a busy
+    # machine): each TrainStep call is progress, and so are init's and the first call's compiles.
+    code, err, _ = _training(launcher, tmp_path, "none", "--heartbeat_timeout", "6")
+    assert code == 0, err
+
+
+def test_a_worker_that_ends_with_0_while_the_others_wait_is_named_at_the_hang_timeout(
+    launcher, tmp_path
+):
+    # raise SystemExit(0): worker 1 waits in JAX's shutdown barrier, worker 0 in the step's
+    # all-reduce; the launcher cannot tell that from a worker 0 that works on alone, so the hang
+    # timeout decides, and names the worker that ended.
+    code, err, after = _training(launcher, tmp_path, "raise_exit0", "--heartbeat_timeout", "5")
+    print(f"the launcher exited {after:.1f} s after worker 1's SystemExit(0)")
+    assert code == 124
+    assert re.search(
+        r"fleetjax-run: worker 1 ended with code 0 while the others ran; then worker 0 made no "
+        r"progress for \d+ s .*; stopping all workers\n$",
+        err,
+    ), err
 
 
 def test_a_killed_worker_stops_the_others(launcher, tmp_path):
@@ -87,7 +180,7 @@ def test_a_hung_worker_is_stopped_by_the_heartbeat_timeout(launcher, tmp_path):
     # Worker 0 printed nothing either after its first lines, but called heartbeat().
     assert "worker 1 works" in err  # the end of its log
     assert re.search(
-        r"fleetjax-run: worker 1 made no progress for \d+ s \(no output, no heartbeat; "
+        r"fleetjax-run: worker 1 made no progress for \d+ s \(no output, no step, no heartbeat; "
         r"--heartbeat_timeout 6\); stopping all workers",
         err,
     ), err

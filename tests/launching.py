@@ -89,3 +89,30 @@ def launcher(tmp_path):
 
     yield start
     _kill_left_over(started)
+
+
+def worker_pid(log: pathlib.Path) -> int | None:
+    """The pid of the running worker whose log is `log` (fleetjax-run gives each worker its
+    log's path in FLEETJAX_HEARTBEAT_FILE), if any."""
+    needle = f"FLEETJAX_HEARTBEAT_FILE={log.absolute()}".encode()
+    for entry in pathlib.Path("/proc").iterdir():
+        try:
+            environ = entry.joinpath("environ").read_bytes() if entry.name.isdigit() else b""
+        except OSError:
+            continue
+        if needle in environ.split(b"\0") and alive(int(entry.name)):
+            return int(entry.name)
+    return None
+
+
+def docs_training_script(folder: pathlib.Path) -> pathlib.Path:
+    """docs/checkpoints.md's resumable training loop, as `folder/train.py`."""
+    text = (HERE.parent / "docs" / "checkpoints.md").read_text()
+    script = folder / "train.py"
+    script.write_text(re.search(r"```python\n(.*?)```", text, re.S)[1])
+    return script
+
+
+def losses(text: str) -> list[tuple[int, str]]:
+    """Every `step N: loss X` line of `text`, in order."""
+    return [(int(s), v) for s, v in re.findall(r"^step (\d+): loss (\S+)$", text, re.M)]

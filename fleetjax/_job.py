@@ -374,9 +374,7 @@ class Job:
         counts = [len(m.endpoints) for m in members]
         try:
             if len(set(counts)) > 1:
-                listed = ", ".join(
-                    f"{m.endpoints[0].rpartition(':')[0]} {len(m.endpoints)}" for m in members
-                )
+                listed = ", ".join(f"{len(m.endpoints)} at {m.endpoints[0]}" for m in members)
                 raise RendezvousError(
                     f"the nodes run different numbers of processes (--nproc_per_node): "
                     f"{listed}; give every node the same"

@@ -761,6 +761,9 @@ def _prepare(
         return options, lambda nodes, rank: workers, lambda job: job.run_alone([[]])
     nodes, this = where(args), layout(args, environ)
     options = _options(args, log_dir, nodes)
+    if nodes.nnodes[0] < nodes.nnodes[1]:  # fleet.init() explains a strategy that lost nodes
+        elastic = {_join.MAX_NODES_VARIABLE: str(nodes.nnodes[1])}
+        this = dataclasses.replace(this, env={**this.env, **elastic})
     if nodes.master is None and this.nproc > 1:
         check_port_free(this.start_port)  # worker 0's, the JAX coordinator's
     return (

@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 import pytest
-from launching import ENV, WORKER, free_port, wait_for
+from launching import ENV, WORKER, free_port, listening, wait_for
 
 from fleetjax import launch
 
@@ -331,7 +331,7 @@ def test_a_node_of_another_job_is_refused(launcher, tmp_path):
     master = f"127.0.0.1:{free_port()}"
     common = ["--master", master, "--nnodes", "2", "--nproc_per_node", "1"]
     serving = launcher(*common, "--job_id", "a", str(WORKER), "env", log_dir=tmp_path / "a")
-    wait_for(lambda: serving.poll() is not None or _listens(int(master.split(":")[1])), 60, "a")
+    wait_for(lambda: serving.poll() is not None or listening(int(master.split(":")[1])), 60, "a")
     other = launcher(*common, "--job_id", "b", str(WORKER), "env", log_dir=tmp_path / "b")
     _, err = other.communicate(timeout=60)
     assert other.returncode == 2
@@ -368,27 +368,6 @@ def test_nodes_asking_for_one_rank_are_refused(launcher, tmp_path):
 
 
 # -- the coordinator ---------------------------------------------------------------------------
-def _listening(port: int) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
-    """The local addresses of the TCP sockets listening on `port` (from /proc/net)."""
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in pathlib.Path(table).read_text().splitlines()[1:]:
-            local, _, state = line.split()[1:4]
-            hex_address, _, hex_port = local.partition(":")
-            if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
-                continue
-            # 32-bit words in the host's byte order (little-endian here).
-            words = bytes.fromhex(hex_address)
-            raw = b"".join(words[i : i + 4][::-1] for i in range(0, len(words), 4))
-            address = ipaddress.ip_address(raw)
-            found.add(getattr(address, "ipv4_mapped", None) or address)
-    return found
-
-
-def _listens(port: int) -> bool:
-    return bool(_listening(port))
-
-
 def test_the_coordinator_listens_on_the_named_address_only(launcher, tmp_path):
     port = free_port()
     launcher(
@@ -398,4 +377,4 @@ def test_the_coordinator_listens_on_the_named_address_only(launcher, tmp_path):
     logs = [tmp_path / "log" / f"workerlog.{rank}" for rank in (0, 1)]
     wait_for(lambda: all(log.exists() and "ready" in log.read_text() for log in logs), 120, "ready")
     # Loopback only (maybe as IPv6's ::ffff:127.0.0.1), not every interface (0.0.0.0, [::]).
-    assert _listening(port) == {ipaddress.ip_address("127.0.0.1")}
+    assert listening(port) == {ipaddress.ip_address("127.0.0.1")}

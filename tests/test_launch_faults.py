@@ -227,3 +227,108 @@ def test_a_closed_console_blocks_no_worker(launcher, tmp_path):
     log = (tmp_path / "log" / "workerlog.0").read_text()
     assert f"line {lines - 1}\n" in log
     _all_gone(tmp_path / "log", timeout=0)
+
+
+# -- several nodes (on this machine, meeting at --master) ---------------------------------------
+def _node(launcher, tmp_path, master: str, rank: int, *args: str) -> subprocess.Popen:
+    """Node `rank` of a job of 2 meeting at `master`, its log in `tmp_path/node<rank>`."""
+    options = ["--master", master, "--nnodes", "2", "--rank", str(rank)]
+    return launcher(*options, *args, log_dir=tmp_path / f"node{rank}")
+
+
+def _two_nodes(launcher, tmp_path, mode: str) -> list[subprocess.Popen]:
+    """Nodes 0 and 1 of a job (one worker each, 2 CPU devices) running `mode`; their
+    launchers, once both workers are ready."""
+    master = f"127.0.0.1:{free_port()}"
+    worker = ["--nproc_per_node", "1", "--cpu_devices_per_proc", "2", str(WORKER), mode]
+    nodes = [
+        _node(launcher, tmp_path, master, rank, "--start_port", str(free_port()), *worker)
+        for rank in (0, 1)
+    ]
+    logs = [tmp_path / f"node{rank}" / f"workerlog.{rank}" for rank in (0, 1)]
+    wait_for(lambda: all(log.exists() and "ready" in log.read_text() for log in logs), 120, "ready")
+    return nodes
+
+
+def _ended(nodes, tmp_path, begin: float) -> list[tuple[int, str, float]]:
+    """Each node's exit code, stderr and seconds from `begin` to its exit."""
+    ended = []
+    for node in nodes:
+        _, err = node.communicate(timeout=60)
+        ended.append((node.returncode, err, time.monotonic() - begin))
+    for rank in (0, 1):
+        _all_gone(tmp_path / f"node{rank}", timeout=5)
+    return ended
+
+
+def test_a_worker_killed_on_another_node_is_named_on_both(launcher, tmp_path):
+    nodes = _two_nodes(launcher, tmp_path, "train")
+    os.kill(worker_pids(tmp_path / "node1")[1], signal.SIGKILL)
+    ended = _ended(nodes, tmp_path, time.monotonic())
+    print(f"nodes ended {ended[0][2]:.1f} s and {ended[1][2]:.1f} s after the kill")
+    for code, err, after in ended:
+        assert after < 10
+        assert code == 128 + signal.SIGKILL
+        assert err.endswith(
+            "fleetjax-run: worker 1 on node 1 (127.0.0.1, workers 1..1) was killed by SIGKILL; "
+            "stopping all workers\n"
+        ), err
+
+
+def test_a_killed_launcher_of_another_node_stops_the_job(launcher, tmp_path):
+    nodes = _two_nodes(launcher, tmp_path, "train")
+    nodes[1].kill()  # its worker dies with it (PR_SET_PDEATHSIG)
+    (code, err, after), _ = _ended(nodes, tmp_path, time.monotonic())
+    print(f"node 0 ended {after:.1f} s after node 1's launcher was killed")
+    assert after < 10
+    assert code == 124
+    assert err.endswith(
+        "fleetjax-run: node 1 (127.0.0.1, workers 1..1) ended: its launcher's connection closed "
+        "(killed, or stopped); stopping all workers\n"
+    ), err
+
+
+def test_a_stopped_launcher_stops_every_node(launcher, tmp_path):
+    nodes = _two_nodes(launcher, tmp_path, "train")
+    nodes[1].send_signal(signal.SIGTERM)
+    ended = _ended(nodes, tmp_path, time.monotonic())
+    print(f"nodes ended {ended[0][2]:.1f} s and {ended[1][2]:.1f} s after SIGTERM")
+    assert [code for code, _, _ in ended] == [128 + signal.SIGTERM] * 2
+    assert ended[1][1].endswith("fleetjax-run: got SIGTERM; stopping all workers\n")
+    assert ended[0][1].endswith(
+        "fleetjax-run: the launcher of node 1 (127.0.0.1, workers 1..1) got SIGTERM; stopping "
+        "all workers\n"
+    ), ended[0][1]
+
+
+def test_nodes_with_different_process_counts_are_refused(launcher, tmp_path):
+    master = f"127.0.0.1:{free_port()}"
+    nodes = [
+        _node(launcher, tmp_path, master, rank, "--nproc_per_node", str(rank + 1),
+              "--start_port", str(7000 + 100 * rank), str(WORKER), "env")
+        for rank in (0, 1)
+    ]  # fmt: skip
+    errors = [node.communicate(timeout=60)[1] for node in nodes]
+    assert [node.returncode for node in nodes] == [2, 2]
+    problem = (
+        "the nodes run different numbers of processes (--nproc_per_node): 1 at 127.0.0.1:7000, "
+        "2 at 127.0.0.1:7100; give every node the same"
+    )
+    assert errors == [
+        f"fleetjax-run: error: {problem}\n",
+        f"fleetjax-run: error: the rendezvous at {master} refused: {problem}\n",
+    ]
+    assert not (tmp_path / "node0" / "workerlog.0").exists()  # nothing started
+
+
+def test_a_node_that_never_comes_is_an_error_within_the_join_timeout(launcher, tmp_path):
+    master = f"127.0.0.1:{free_port()}"
+    begin = time.monotonic()
+    proc = launcher("--master", master, "--nnodes", "2", "--join_timeout", "2", str(WORKER), "env")
+    _, err = proc.communicate(timeout=60)
+    print(f"the launcher gave up {time.monotonic() - begin:.1f} s after it started")
+    assert proc.returncode == 2
+    assert err == (
+        "fleetjax-run: error: 1 of --nnodes 2 nodes came to the rendezvous within 2 s "
+        "(--join_timeout)\n"
+    )

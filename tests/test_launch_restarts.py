@@ -9,7 +9,15 @@ import subprocess
 import sys
 
 import numpy as np
-from launching import ENV, docs_training_script, free_port, losses, wait_for, worker_pid
+from launching import (
+    ENV,
+    docs_training_script,
+    free_port,
+    listening,
+    losses,
+    wait_for,
+    worker_pid,
+)
 
 
 def _reference(folder, devices: int) -> subprocess.Popen:
@@ -63,4 +71,50 @@ def test_a_killed_worker_restarts_the_job_from_its_checkpoint(launcher, tmp_path
         [float(v) for _, v in sorted(set(trained))],
         [float(v) for v in expected.values()],
         rtol=1e-5,
+    )
+
+
+def test_a_lost_node_leaves_the_job_to_the_others(launcher, tmp_path):
+    # --nnodes 1:2: two nodes of one worker x 2 devices; node 1's launcher is killed after
+    # step 17; node 0 goes on alone: 2 devices, the checkpoint of 4 resharded onto them, the
+    # global batch of 64 kept (32 rows a device instead of 16).
+    reference = _reference(tmp_path / "reference", devices=4)
+    script = docs_training_script(tmp_path)
+    port = free_port()
+
+    def node(rank: int) -> subprocess.Popen:
+        return launcher(
+            "--master", f"127.0.0.1:{port}", "--nnodes", "1:2", "--elastic_timeout", "8",
+            "--rank", str(rank), "--nproc_per_node", "1", "--cpu_devices_per_proc", "2",
+            "--start_port", str(free_port()), str(script),
+            log_dir=tmp_path / f"node{rank}", cwd=tmp_path,
+        )  # fmt: skip
+
+    # Node 0 first: the node that serves --master (here: the first to listen) must stay. It
+    # waits --elastic_timeout for node 1 to come (at the start, and again after node 1 is lost).
+    nodes = [node(0)]
+    wait_for(lambda: listening(port), 60, "node 0's rendezvous")
+    nodes.append(node(1))
+    log1 = tmp_path / "node1" / "workerlog.1"
+    wait_for(lambda: log1.exists() and "step 17:" in log1.read_text(), 120, "step 17")
+    nodes[1].kill()
+    _, err = nodes[0].communicate(timeout=180)
+    expected = dict(losses(reference.communicate(timeout=120)[0]))
+    assert nodes[0].returncode == 0, err
+    assert (
+        "fleetjax-run: node 1 (127.0.0.1, workers 1..1) ended: its launcher's connection closed "
+        "(killed, or stopped); stopping all workers\n"
+        "fleetjax-run: restarting the job: restart 1 of 3 (--max_restart)\n"
+        "fleetjax-run: starting workers 0..0 of 1; "
+    ) in err, err
+    log0 = (tmp_path / "node0" / "workerlog.0").read_text()
+    assert "mesh {'dp': 4, " in log0.split("attempt 2 starts")[0]
+    assert "mesh {'dp': 2, " in log0.split("attempt 2 starts")[1]
+    resumed = _resumed_from(log0)
+    print(f"node 0 resumed alone after step {resumed}")
+    assert resumed % 5 == 0 and resumed <= 17
+    trained = dict(losses(log0))
+    assert list(trained) == list(range(1, 41))
+    np.testing.assert_allclose(
+        [float(v) for v in trained.values()], [float(v) for v in expected.values()], rtol=1e-5
     )

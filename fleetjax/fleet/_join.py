@@ -18,6 +18,7 @@ import types
 from collections.abc import Callable, Mapping
 
 import jax
+from jax.sharding import Mesh
 
 from fleetjax import _worker
 from fleetjax.fleet.base.role_maker import (
@@ -25,6 +26,7 @@ from fleetjax.fleet.base.role_maker import (
     PaddleCloudRoleMaker,
     RoleMakerBase,
 )
+from fleetjax.plan import Plan, mesh_for
 
 JOIN_TIMEOUT_VARIABLE = "FLEETJAX_JOIN_TIMEOUT"  # fleetjax-run's --join_timeout
 JOIN_TIMEOUT_SECONDS = 300  # JAX's: for every process to join
@@ -34,6 +36,7 @@ HEARTBEAT_VARIABLE = "FLEETJAX_JAX_HEARTBEAT_TIMEOUT"  # fleetjax-run's: twice -
 # node for minutes; the heartbeats come from a thread of their own, so compiling or a busy
 # Python loop does not delay them).
 HEARTBEAT_SECONDS = 10
+MAX_NODES_VARIABLE = "FLEETJAX_MAX_NODES"  # fleetjax-run's, with --nnodes min:max: max
 
 # Variables by which schedulers give a job's task count, what sets them, and how JAX would
 # find the job (jax._src.clusters).
@@ -245,3 +248,25 @@ def bind_gloo(address: str) -> None:
 
     # jax.distributed.initialize refused to run after a backend started: none has.
     xla_bridge.register_backend_factory("cpu", cpu_client, priority=0, fail_quietly=False)
+
+
+def job_mesh(plan: Plan) -> Mesh:
+    """`mesh_for(plan)`: the job's mesh over all its devices.
+
+    Raises:
+      ValueError: if the strategy's degrees do not fit the devices; for an elastic
+        `fleetjax-run` job restarted on fewer nodes, the message says so.
+    """
+    try:
+        return mesh_for(plan)
+    except ValueError as e:
+        nodes, most = os.environ.get("PADDLE_NNODES", ""), os.environ.get(MAX_NODES_VARIABLE, "")
+        if not (nodes.isdigit() and most.isdigit() and int(nodes) < int(most)):
+            raise
+        fits = str(e).partition(". To simulate")[0]  # more simulated devices are no answer here
+        raise ValueError(
+            f"{fits}: fleetjax-run restarted this job on {nodes} of its up to {most} nodes "
+            "(--nnodes min:max) after it lost some, and the strategy's degrees must fit the "
+            "devices left (dp_degree -1 takes whatever the other degrees leave; the global "
+            "batch stays, each device's share grows)"
+        ) from None

@@ -12,8 +12,9 @@ fleetjax/_rendezvous.py) decides for all, over the links to the others:
     hub  -> node  {"exit": code}                            the job is over
     either        {"alive": true} every second; silence for `--peer_timeout` s is a lost node
 
-The hub names the earliest failure it hears of within `SETTLE_SECONDS` of the first (a node's
-lost link included), so every node names the same worker and exits with the same code. On a
+The hub names the earliest failure it hears of within `SETTLE_SECONDS` of the first (of its
+workers', a node's report, a lost link), so every node names the same worker and exits with
+the same code. On a
 restart the hub meets the nodes again: with `--nnodes min:max`, the ones still there (at least
 `min`) and any that come within `--elastic_timeout`, numbered anew.
 """
@@ -39,6 +40,8 @@ from fleetjax._supervise import (
     tail,
 )
 
+# After a first failure, how long to gather others (a peer's, another node's) before naming
+# the earliest: a worker killed may be seen after the one that failed because of it.
 SETTLE_SECONDS = 0.5
 _POLL_SECONDS = 0.1
 
@@ -67,7 +70,7 @@ class Options:
     command: Sequence[str]
     log_dir: pathlib.Path
     heartbeat_timeout: float | None = None
-    peer_timeout: float = 5.0
+    peer_timeout: float = 4.0
     max_restart: int = 0
     join_timeout: float = 300.0
     elastic_timeout: float = 30.0
@@ -272,7 +275,7 @@ class Job:
                     )
             if failures:
                 first = first or time.monotonic()
-                if not ranks or time.monotonic() - first >= SETTLE_SECONDS:
+                if time.monotonic() - first >= SETTLE_SECONDS:
                     return min(failures, key=lambda f: f.time), _without(members, lost)
             elif attempt.succeeded and done == set(ranks):
                 return None, members
@@ -299,7 +302,7 @@ class Job:
         if kind == "closed" and source not in lost:
             lost.add(source)
             what = "ended: its launcher's connection closed (killed, or stopped)"
-            return [Failure(node_name(nodes, ranks[source]), what, HANG_EXIT_CODE, time.time())]
+            return [Failure(node_name(nodes, ranks[source]), what, HANG_EXIT_CODE, data)]
         if kind == "message" and isinstance(data, dict):
             if isinstance(data.get("failed"), dict):
                 return [Failure(**data["failed"])]
@@ -374,7 +377,10 @@ class Job:
         counts = [len(m.endpoints) for m in members]
         try:
             if len(set(counts)) > 1:
-                listed = ", ".join(f"{len(m.endpoints)} at {m.endpoints[0]}" for m in members)
+                listed = ", ".join(
+                    f"{len(m.endpoints)} at {m.endpoints[0]}"
+                    for m in sorted(members, key=lambda m: (m.asked, m.endpoints))
+                )
                 raise RendezvousError(
                     f"the nodes run different numbers of processes (--nproc_per_node): "
                     f"{listed}; give every node the same"
@@ -438,34 +444,36 @@ class Job:
     ) -> tuple[Failure | None, bool]:
         """Until the hub says the job failed (its verdict) or ended well (None); whether the
         hub was lost (then this node's own failure, or the hub's loss, is the verdict)."""
-        own, told, done = None, 0.0, False
+        mine: list[Failure] = []  # this node's failures, all told to the hub
+        told, done = 0.0, False
         while True:
             event = self._next()
-            failure = None
+            own = min(mine, key=lambda f: f.time) if mine else None
             if event is not None and event[1] is hub:
                 if event[0] == "closed":
                     lost = "ended: its launcher's connection closed (killed, or stopped)"
-                    return own or Failure(hub_name, lost, HANG_EXIT_CODE, time.time()), True
+                    return own or Failure(hub_name, lost, HANG_EXIT_CODE, event[2]), True
                 message = event[2]
                 if isinstance(message.get("stop"), dict):
-                    verdict = Failure(**message["stop"])
-                    mine = own and dataclasses.replace(own, log="") == verdict
-                    return (own if mine else verdict), False
+                    verdict = Failure(**message["stop"])  # with the log, if it is this node's
+                    same = [f for f in mine if dataclasses.replace(f, log="") == verdict]
+                    return (same or [verdict])[0], False
                 if "exit" in message:
                     return None, False
-            elif event is not None:
-                failure = self._local(event, attempt, where)
-            failure = failure or self._here(attempt.poll(), where)
-            if failure and own is None:
-                own, told = failure, time.monotonic()
-                hub.send({"failed": _remote(own)})
+            found = [self._local(event, attempt, where) if event else None]
+            for failure in [*found, self._here(attempt.poll(), where)]:
+                if failure is not None:  # the hub names the earliest of all
+                    hub.send({"failed": _remote(failure)})
+                    mine.append(failure)
+                    told = told or time.monotonic()
             silent = hub.silent_for()
             if silent > self.options.peer_timeout or (
-                own and time.monotonic() - told > self.options.peer_timeout
+                mine and time.monotonic() - told > self.options.peer_timeout
             ):
                 what = f"stopped answering for {silent:.0f} s (a lost node, link or launcher)"
-                return own or Failure(hub_name, what, HANG_EXIT_CODE, time.time() - silent), True
-            if own is None and not done and attempt.succeeded:
+                lost = Failure(hub_name, what, HANG_EXIT_CODE, time.time() - silent)
+                return min(mine, key=lambda f: f.time) if mine else lost, True
+            if not mine and not done and attempt.succeeded:
                 hub.send({"done": True})
                 done = True
 

@@ -50,9 +50,9 @@ class Link:
     """A connection to another node's launcher: one JSON message a line each way.
 
     A reader thread puts `("message", link, message)` on `events` for each message but the
-    "alive" ones, and `("closed", link, None)` when the connection ends; a second thread sends
-    `{"alive": true}` every `ALIVE_SECONDS`. `silent_for()` says how long the other side has
-    sent nothing.
+    "alive" ones, and `("closed", link, time.time())` when the connection ends; a second
+    thread sends `{"alive": true}` every `ALIVE_SECONDS`. `silent_for()` says how long the
+    other side has sent nothing.
     """
 
     def __init__(self, sock: socket.socket, reader: BinaryIO, events: queue.Queue) -> None:
@@ -74,7 +74,7 @@ class Link:
                 message = json.loads(line)
                 if isinstance(message, dict) and not message.get("alive"):
                     self._events.put(("message", self, message))
-        self._events.put(("closed", self, None))
+        self._events.put(("closed", self, time.time()))
 
     def _keep_alive(self) -> None:
         while not self._closed.wait(ALIVE_SECONDS):
@@ -157,6 +157,8 @@ class Listener:
         self._events.put(("arrived", Link(conn, reader, self._events), node[1:]))
 
     def close(self) -> None:
+        with contextlib.suppress(OSError):  # wakes the thread in accept(), which holds it open
+            self._socket.shutdown(socket.SHUT_RDWR)
         self._socket.close()
 
 

@@ -301,7 +301,7 @@ class Attempt:
                 self._ended[index] = int(text)
 
     def exited(self, index: int, when: float) -> Failure | None:
-        """Note that worker `index` exited; its failure, if it is one."""
+        """Note that worker `index` exited (at `when`); its failure, if it is one."""
         code = self.procs[index].returncode
         self._read_exit_file(index)
         self._exited.add(index)
@@ -328,8 +328,10 @@ class Attempt:
                 continue
             self._read_exit_file(index)
             if self._ended.get(index):
-                status = self._ended[index]
-                return self._failure(index, f"exited with code {status}", status, time.time())
+                status, when = self._ended[index], time.time()
+                with contextlib.suppress(OSError):  # when the worker wrote it
+                    when = self._exit_files[index].stat().st_mtime
+                return self._failure(index, f"exited with code {status}", status, when)
         return self._hung()
 
     def _hung(self) -> Failure | None:

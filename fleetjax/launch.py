@@ -88,9 +88,9 @@ DEFAULT_START_PORT = 6070  # Paddle's
 # too), so this covers what else a healthy worker may do without output: compiling other
 # functions, loading data, a checkpoint; 30 minutes is PyTorch's default collective timeout.
 DEFAULT_HEARTBEAT_TIMEOUT = 1800.0
-# The launchers of a job's nodes talk every second: 5 s of silence is a lost node or link, and
-# the job is stopped within 10 s (3 s of it the workers' grace period).
-DEFAULT_PEER_TIMEOUT = 5.0
+# The launchers of a job's nodes talk every second: 4 s of silence is a lost node or link, and
+# the job has stopped within 10 s (3 s of it the workers' grace period).
+DEFAULT_PEER_TIMEOUT = 4.0
 DEFAULT_JOIN_TIMEOUT = float(_join.JOIN_TIMEOUT_SECONDS)  # JAX's initialization timeout
 DEFAULT_ELASTIC_TIMEOUT = 30.0  # Paddle's --elastic_timeout
 PADDLE_MAX_RESTART = 3  # Paddle's --max_restart, which Paddle applies with --elastic_level >= 1

@@ -43,7 +43,7 @@ def test_plan_on_cpu():
             "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
             # fleet.init()'s join: JAX's wait for the others, its heartbeat timeout (s)
             "FLEETJAX_JOIN_TIMEOUT": "300",
-            "FLEETJAX_JAX_HEARTBEAT_TIMEOUT": "10",
+            "FLEETJAX_JAX_HEARTBEAT_TIMEOUT": "8",
         }
         for rank in range(2)
     ]
@@ -92,7 +92,7 @@ def test_the_defaults_for_faults():
     args = launch.parse_args(["train.py"])
     # Paddle's --max_restart 3 applies with --elastic_level >= 1 (Paddle's default -1: none).
     assert (args.max_restart, args.elastic_level, args.elastic_timeout) == (None, -1, 30)
-    assert (args.heartbeat_timeout, args.peer_timeout, args.join_timeout) == (1800, 5, 300)
+    assert (args.heartbeat_timeout, args.peer_timeout, args.join_timeout) == (1800, 4, 300)
 
 
 def test_plan_with_paddles_node_options():

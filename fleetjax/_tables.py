@@ -24,6 +24,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
+from fleetjax._checks import init_optimizer
 from fleetjax.layers import is_table, logical_to_spec
 from fleetjax.layers.sparse_embedding import TABLE_ROWS, TouchedRows, lookup_scope, on_host
 from fleetjax.mesh import data_axes, spec_axes
@@ -266,13 +267,13 @@ def init_state(
     `TablesState` (the optimizer's state of the dense parameters, each table's slots)."""
     tables = Tables.find(plan, mesh, params)
     if tables is None:
-        return params, optimizer.init(params)
+        return params, init_optimizer(optimizer, params)
     params = sparse_rows.name_tables(params)
     found = sparse_rows.tables(params)
     geo = None
     if tables.geo_k_steps:
         geo = {name: sparse_rows.geo_init(table[...]) for name, table in found.items()}
-    dense = optimizer.init(sparse_rows.without_tables(params))
+    dense = init_optimizer(optimizer, sparse_rows.without_tables(params))
     return params, TablesState(dense, sparse_rows.init_slots(tables.rules, found), geo)
 
 
@@ -284,7 +285,14 @@ def slot_specs(opt_state: TablesState, params: Any, specs: Any) -> tuple[dict, d
     def note(table: Any, spec: Any) -> None:
         if is_table(table):
             spec = spec.get_value() if is_table(spec) else spec  # nnx keeps the wrapper
-            row_axes[table.get_metadata()["table_name"]] = PartitionSpec(spec[0])
+            name = table.get_metadata()["table_name"]
+            if not isinstance(spec, PartitionSpec) or not spec:
+                raise ValueError(
+                    f"param_specs gives sparse table {name!r} {spec!r}, which splits none of its "
+                    "axes; a table's rows are split over the mesh, its spec names their axes "
+                    "first (fleetjax.layers.partition_specs gives each table's)"
+                )
+            row_axes[name] = PartitionSpec(spec[0])
 
     jax.tree.map(note, params, specs, is_leaf=is_table)
 

@@ -30,6 +30,7 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from fleetjax._checks import check_opt_state, check_param_specs
 from fleetjax._tables import TablesState, slot_specs
 from fleetjax._warnings import warn_once
 from fleetjax.layers import is_table, partition_specs
@@ -131,6 +132,8 @@ def _host_tables(params: Any, params_at: Any, opt_at: Any = None) -> tuple[Any, 
 def _tensor_specs(plan: Plan, mesh: Mesh, params: Any, param_specs: Any) -> Any:
     """The parameters' split over the non-data axes: `param_specs`, by default from the
     parameters' logical axis names, with a pipeline's stacked layers split over `pp`."""
+    if param_specs is not None:
+        check_param_specs(param_specs, params)
     specs = param_specs if param_specs is not None else partition_specs(params, mesh=mesh)
     if plan.pipeline is None:
         return specs
@@ -233,7 +236,9 @@ def _opt_specs(optimizer: optax.GradientTransformation, opt_state: Any, params: 
     """The optimizer state's specs; with sparse tables (a `TablesState`) the dense part's as
     the optimizer keeps it, the tables' slots split as their rows."""
     if not isinstance(opt_state, TablesState):
+        check_opt_state(optimizer, opt_state, params)
         return _opt_state_specs(optimizer, opt_state, specs)
+    check_opt_state(optimizer, opt_state.dense, without_tables(params))
     dense = _opt_state_specs(optimizer, opt_state.dense, without_tables(specs, params))
     return TablesState(dense, *slot_specs(opt_state, params, specs))
 

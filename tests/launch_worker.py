@@ -20,7 +20,8 @@
                                    calls are the progress); at step 5 worker 1 (after printing
                                    `fault at <time.time()>`) does FAULT: `exit3` (sys.exit(3)),
                                    `raise_exit0` (raise SystemExit(0)), `os_exit0`
-                                   (os._exit(0)), `spin` (a busy Python loop) or `sleep`;
+                                   (os._exit(0)), `spin` (a busy Python loop), `sleep`
+                                   or `freeze` (SIGSTOP: not even JAX's heartbeats go on);
                                    `none`: no fault, all stop after 10 s, exit 0
 
 Every worker first prints `pid=<its pid>`, so a test can find (and clean up) each process.
@@ -54,6 +55,8 @@ def _faults(fault: str) -> None:
         raise SystemExit(0)
     if fault == "os_exit0":
         os._exit(0)
+    if fault == "freeze":
+        os.kill(os.getpid(), signal.SIGSTOP)
     while fault == "spin":
         pass
     time.sleep(600)

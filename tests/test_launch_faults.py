@@ -130,6 +130,19 @@ def test_a_spinning_worker_is_named_not_those_waiting_for_it(launcher, tmp_path)
     ) in err, err
 
 
+def test_a_frozen_worker_is_named_when_jax_misses_its_heartbeats(launcher, tmp_path):
+    # SIGSTOP: worker 1 sends JAX no heartbeat; after twice --peer_timeout (8 s) JAX's
+    # coordination service ends worker 0 (SIGABRT), whose log names the silent task.
+    code, err, after = _training(launcher, tmp_path, "freeze")
+    print(f"the launcher exited {after:.1f} s after worker 1 froze")
+    assert after < 8 + 10
+    assert code == 124
+    assert err.endswith(
+        "fleetjax-run: worker 1 stopped sending heartbeats to JAX's coordination service (so JAX "
+        "ended worker 0 with SIGABRT); stopping all workers\n"
+    ), err
+
+
 def test_train_steps_are_progress(launcher, tmp_path):
     # 10 s of silent training under a 6 s timeout (longer than importing JAX on a busy
     # machine): each TrainStep call is progress, and so are init's and the first call's compiles.

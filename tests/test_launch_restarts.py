@@ -4,6 +4,7 @@ training loop, and ends with the losses of a run that was never interrupted."""
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import sys
 import numpy as np
 from launching import (
     ENV,
+    WORKER,
     docs_training_script,
     free_port,
     listening,
@@ -118,3 +120,45 @@ def test_a_lost_node_leaves_the_job_to_the_others(launcher, tmp_path):
     np.testing.assert_allclose(
         [float(v) for v in trained.values()], [float(v) for v in expected.values()], rtol=1e-5
     )
+
+
+def test_paddles_elastic_level_restarts_3_times(launcher, tmp_path):
+    # --elastic_level 1 without --max_restart: Paddle's --max_restart default, 3.
+    proc = launcher(
+        "--elastic_level", "1", "--nproc_per_node", "2", "--start_port", str(free_port()),
+        str(WORKER), "fail",
+    )  # fmt: skip
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3
+    restarts = re.findall(r"restarting the job: restart (\d) of (\d)", err)
+    assert restarts == [("1", "3"), ("2", "3"), ("3", "3")]
+    assert err.count("fleetjax-run: worker 1 exited with code 3; stopping all workers") == 4
+    assert err.endswith("fleetjax-run: worker 1 exited with code 3; stopping all workers\n")
+    log = (tmp_path / "log" / "workerlog.1").read_text()
+    assert [int(n) for n in re.findall(r"^fleetjax-run: attempt (\d) starts$", log, re.M)] == [
+        2,
+        3,
+        4,
+    ]
+
+
+def test_a_strategy_that_no_longer_fits_the_nodes_left_says_so(tmp_path):
+    # What fleet.init() sees after an elastic restart on 1 of 2 nodes: 2 devices for mp 4.
+    script = tmp_path / "mp4.py"
+    script.write_text(
+        "import fleetjax\nfrom fleetjax import fleet\n"
+        "s = fleetjax.DistributedStrategy()\n"
+        "s.hybrid_configs = {'dp_degree': 1, 'mp_degree': 4}\n"
+        "fleet.init(is_collective=True, strategy=s)\n"
+    )
+    elastic = {"PADDLE_NNODES": "1", "FLEETJAX_MAX_NODES": "2", "JAX_NUM_CPU_DEVICES": "2"}
+    run = subprocess.run(
+        [sys.executable, str(script)], env={**ENV, **elastic}, capture_output=True, text=True
+    )
+    assert run.returncode == 1
+    assert (
+        "ValueError: dp x sharding x pp x mp = 1 x 1 x 1 x 4 = 4, but there are 2 devices: "
+        "fleetjax-run restarted this job on 1 of its up to 2 nodes (--nnodes min:max) after it "
+        "lost some, and the strategy's degrees must fit the devices left (dp_degree -1 takes "
+        "whatever the other degrees leave; the global batch stays, each device's share grows)"
+    ) in run.stderr, run.stderr

@@ -31,6 +31,10 @@ from fleetjax import _guard, _liveness, _worker
 GRACE_SECONDS = 3.0  # between SIGTERM and SIGKILL when stopping workers (Paddle's)
 LOG_TAIL_LINES = 20  # of a failed worker's log, shown on the console
 HANG_EXIT_CODE = 124  # a worker or node that stopped answering (as timeout(1))
+# A worker's peers may see it killed (its connections closed) and fail before the launcher's
+# thread that waits for it wakes up: its death is dated this much earlier. JAX and Gloo end a
+# worker whose peer failed with SIGABRT, which is not dated back.
+KILL_SEEN_LATE_SECONDS = 0.25
 _POLL_SECONDS = 0.1
 # Loaded here, not in the forked child, where only the call itself should run.
 _LIBC = ctypes.CDLL(None) if sys.platform == "linux" else None
@@ -307,6 +311,8 @@ class Attempt:
         self._exited.add(index)
         left = index not in self._ended and index in self._joined  # os._exit: no barrier
         self._ended.setdefault(index, code)
+        if code < 0 and -code != signal.SIGABRT:  # killed from outside: earlier than seen
+            when -= KILL_SEEN_LATE_SECONDS
         if code != 0:
             return self._failure(index, describe(code), exit_code(code), when)
         if left and len(self._exited) < len(self.procs):

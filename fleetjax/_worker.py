@@ -52,7 +52,8 @@ def _from_script(tb: types.TracebackType | None, script: str) -> types.Traceback
 def main(argv: list[str]) -> None:
     script, *args = argv
     sys.argv = [script, *args]
-    sys.path[0] = os.path.dirname(os.path.realpath(script))  # as `python train.py` has it
+    # As `python train.py` has it (`python -P` left the entry out, keeping PYTHONPATH's first).
+    sys.path.insert(0, os.path.dirname(os.path.realpath(script)))
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:

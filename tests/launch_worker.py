@@ -109,7 +109,8 @@ def main(mode: str, args: list[str]) -> int:
     print(f"pid={os.getpid()}", flush=True)
     if mode == "env":
         env = {k: v for k, v in os.environ.items() if k.startswith(PREFIXES)}
-        print(json.dumps({"rank": rank, "env": env, "args": args}), flush=True)
+        script = {"argv": sys.argv, "path0": sys.path[0], "name": __name__, "file": __file__}
+        print(json.dumps({"rank": rank, "env": env, "args": args, "script": script}), flush=True)
         return 0
     if mode == "fail":
         if rank == 1:

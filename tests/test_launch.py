@@ -254,6 +254,13 @@ def test_workers_get_their_variables_and_a_new_log_each_run(launcher, tmp_path):
         log = tmp_path / "log" / f"workerlog.{rank}"
         assert record["env"]["FLEETJAX_HEARTBEAT_FILE"] == str(log.absolute())
     assert len({record["env"]["FLEETJAX_RUN_ID"] for record in records}) == 1
+    # The script runs as `python launch_worker.py ...` would run it (under fleetjax._worker).
+    assert records[0]["script"] == {
+        "argv": [str(WORKER), "env", "--flag", "value"],
+        "path0": str(WORKER.parent),
+        "name": "__main__",
+        "file": str(WORKER),
+    }
     # Worker 0 is also on the console, worker 1 only in its log.
     assert '"rank": 0' in out and '"rank": 1' not in out
     assert "fleetjax-run: starting workers 0..1 of 2" in err

@@ -130,6 +130,7 @@ def test_a_spinning_worker_is_named_not_those_waiting_for_it(launcher, tmp_path)
     ) in err, err
 
 
+@pytest.mark.slow  # 17 s; by default a hung worker is named by the launcher's timeout
 def test_a_frozen_worker_is_named_when_jax_misses_its_heartbeats(launcher, tmp_path):
     # SIGSTOP: worker 1 sends JAX no heartbeat; after twice --peer_timeout (8 s) JAX's
     # coordination service ends worker 0 (SIGABRT), whose log names the silent task.
@@ -150,6 +151,7 @@ def test_train_steps_are_progress(launcher, tmp_path):
     assert code == 0, err
 
 
+@pytest.mark.slow  # 14 s; the hang timeout's path runs by default with a spinning worker
 def test_a_worker_that_ends_with_0_while_the_others_wait_is_named_at_the_hang_timeout(
     launcher, tmp_path
 ):
@@ -301,6 +303,7 @@ def test_a_killed_launcher_of_another_node_stops_the_job(launcher, tmp_path):
     ), err
 
 
+@pytest.mark.slow  # 13 s; by default a killed launcher of another node stops the job
 def test_a_stopped_launcher_stops_every_node(launcher, tmp_path):
     nodes = _two_nodes(launcher, tmp_path, "train")
     nodes[1].send_signal(signal.SIGTERM)

@@ -35,7 +35,7 @@ Devices:
 Faults (the first failure is named, with its code, whatever the others do afterwards):
   * A worker that exits with an error or is killed: the launcher prints the end of its log
     (its traceback, unless the console showed it), then `<who> <what>; stopping all workers`
-    as its last line, stops the others (SIGTERM, then SIGKILL after `GRACE_SECONDS`) and exits
+    as its last line, stops the others (SIGTERM, then SIGKILL after 3 s, Paddle's wait) and exits
     with that worker's code (128 + signal number if it was killed). The script runs under
     fleetjax/_worker.py, which records how it ended before Python's exit handlers, so a
     `sys.exit(3)` while the others wait in a collective is named at once (JAX's shutdown
@@ -114,8 +114,6 @@ DEFAULT_PEER_TIMEOUT = 4.0
 DEFAULT_JOIN_TIMEOUT = float(_join.JOIN_TIMEOUT_SECONDS)  # JAX's initialization timeout
 DEFAULT_ELASTIC_TIMEOUT = 30.0  # Paddle's --elastic_timeout
 PADDLE_MAX_RESTART = 3  # Paddle's --max_restart, which Paddle applies with --elastic_level >= 1
-HEARTBEAT_EXIT_CODE = _supervise.HANG_EXIT_CODE
-HEARTBEAT_FILE_VARIABLE = _liveness.HEARTBEAT_FILE_VARIABLE
 Worker = _supervise.Worker
 
 

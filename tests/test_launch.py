@@ -254,7 +254,7 @@ def test_workers_get_their_variables_and_a_new_log_each_run(launcher, tmp_path):
         log = tmp_path / "log" / f"workerlog.{rank}"
         assert record["env"]["FLEETJAX_HEARTBEAT_FILE"] == str(log.absolute())
     assert len({record["env"]["FLEETJAX_RUN_ID"] for record in records}) == 1
-    # The script runs as `python launch_worker.py ...` would run it (under fleetjax._worker).
+    # The script runs as `python launch_worker.py ...` would run it (under the worker entry).
     assert records[0]["script"] == {
         "argv": [str(WORKER), "env", "--flag", "value"],
         "path0": str(WORKER.parent),

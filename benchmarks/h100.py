@@ -33,7 +33,7 @@ from flax import nnx  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 import fleetjax  # noqa: E402
-from fleetjax import PipelineLayer, auto, targets  # noqa: E402
+from fleetjax import auto, targets  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
 from gpt import GPT, GPTConfig, GPTFunctions  # noqa: E402
@@ -52,7 +52,14 @@ GPUS = (8, 64, 512, 1024)
 # Tensor parallelism fixed within a host for the models Megatron-LM splits 8 ways (the search
 # over mp would compile each model a few more times on this 2-core machine).
 FIXED_MP = {"13B": 8, "175B": 8}
-MEGATRON = (("175B", 1024, 8, 8), ("175B", 1024, 8, 16))  # (model, GPUs, tensor, pipeline)
+# (model, GPUs, tensor, pipeline, chunks per stage): Narayanan et al. 2021's 175B layouts, the
+# interleaved one, and Megatron-Core's GPT-3 175B on H100 (tp 4 x pp 8 on 512 GPUs).
+MEGATRON = (
+    ("175B", 1024, 8, 8, 1),
+    ("175B", 1024, 8, 16, 1),
+    ("175B", 1024, 8, 8, 2),
+    ("175B", 512, 4, 8, 1),
+)
 PEAK = targets.get("h100").spec.peak_bf16_flops
 
 
@@ -65,18 +72,18 @@ def gpt(name: str) -> tuple[GPTFunctions, Any, dict[str, jax.ShapeDtypeStruct]]:
     return GPTFunctions(model), nnx.to_pure_dict(nnx.state(model)), batch
 
 
-def model_flops(name: str, params: Any) -> float:
-    """Flops of one step by PaLM's formula (Chowdhery et al. 2022, appendix B): 6 N per token
-    for the matmuls of N parameters, forward and backward, plus 12 L h s for attention."""
-    layers, hidden, _, sequences = MODELS[name]
-    n = sum(x.size for x in jax.tree.leaves(params))
-    return (6 * n + 12 * layers * hidden * SEQ) * sequences * SEQ
+def formula_of(name: str, gpus: int, tp: int, pp: int, vpp: int = 1) -> targets.Megatron:
+    """Megatron-LM's formulas for `name` laid out tp x pp x the rest as data replicas."""
+    layers, hidden, heads, sequences = MODELS[name]
+    dp = gpus // (tp * pp)
+    return targets.Megatron(layers, hidden, heads, SEQ, VOCAB, sequences, tp, pp, dp, vpp)
 
 
 def bf16() -> fleetjax.DistributedStrategy:
-    """bf16 compute with fp32 master weights (AMP O1): what every candidate keeps."""
+    """bf16 compute with fp32 master weights, the whole model in bf16 (AMP O2, Paddle's
+    `use_pure_bf16`; Megatron-LM's --bf16): what every candidate keeps."""
     s = fleetjax.DistributedStrategy(amp=True)
-    s.amp_configs = {"dtype": "bfloat16"}
+    s.amp_configs = {"dtype": "bfloat16", "use_pure_bf16": True}
     return s
 
 
@@ -91,42 +98,70 @@ def collectives_text(report: fleetjax.Explanation) -> str:
     return ", ".join(f"{op}/{axes} x{n} {size / GiB:.3g} GiB" for (op, axes), (n, size) in largest)
 
 
-def explained_row(name: str, gpus: int, step: fleetjax.TrainStep, params: Any, batch: Any) -> dict:
-    """What explain says of `step` compiled for `gpus` H100s, and the estimated MFU."""
+def explained_row(
+    gpus: int,
+    step: fleetjax.TrainStep,
+    params: Any,
+    batch: Any,
+    formula: targets.Megatron,
+    compare: bool = True,
+) -> dict:
+    """What explain says of `step` compiled for `gpus` H100s, beside `formula`'s bytes (where
+    `compare`: the layout is Megatron's kind) and the estimated MFU of `formula`'s model
+    flops: the cost model's (no overlap; with the asynchronous collectives overlapped) and the
+    plain model's (the compiled matmuls over the peak and collectives' ring bytes, no memory
+    term: the model of the formula's own)."""
     state = step.abstract_init(params)
     start = time.perf_counter()
-    report = fleetjax.explain(step, batch, state, show=False)
-    gpu = report.gpu
-    return {
-        "model": name,
-        "GPUs": gpus,
+    against = formula if compare else None
+    report = fleetjax.explain(step, batch, state, show=False, formula=against)
+    gpu, t = report.gpu, report.gpu.time
+    plain = t.compute + t.links + t.network + t.latency
+    expected = sum(formula.hbm().values())
+    flops = formula.model_flops
+    row = {
         "HBM GiB": gpu.peak_bytes / GiB,
         "fits": gpu.verdict,
-        "arguments GiB": report.arguments / GiB,
+        "HBM / formula": gpu.peak_bytes / expected if compare else None,
         "temp GiB": report.temp / GiB,
         "collectives (largest)": collectives_text(report),
-        "all-gathered GiB": sum(c.bytes for c in report.collectives if c.op == "all-gather") / GiB,
-        "est. step s": gpu.time.total,
-        "est. MFU": model_flops(name, params) / (gpu.time.total * gpus * PEAK),
+    }
+    for traffic in report.traffic:
+        if traffic.formula:
+            row[f"{'+'.join(traffic.axes)} GiB (x formula)"] = (
+                f"{traffic.bytes / GiB:,.1f} ({traffic.ratio:.2f})"
+            )
+    return row | {
+        "est. step s": t.total,
+        "est. step s, overlapped": t.overlapped,
+        "est. MFU": flops / (t.total * gpus * PEAK),
+        "est. MFU, overlapped": flops / (t.overlapped * gpus * PEAK),
+        "plain-model MFU": flops / (plain * gpus * PEAK),
         "compile s": time.perf_counter() - start,
     }
 
 
 def auto_row(name: str, gpus: int) -> dict[str, Any]:
-    """The layout `auto.search` picks for `name` on `gpus` H100s, explained."""
+    """The layout `auto.search` picks for `name` on `gpus` H100s, explained. For the models
+    Megatron-LM splits 8 ways (mp fixed at 8) pipelines are among the candidates (the model
+    is a `PipelineLayer`); the smaller ones train unpipelined (a search over pipelines too
+    would compile most of them on this 2-core machine, where data parallelism wins anyway)."""
     fns, params, batch = gpt(name)
     strategy = bf16()
-    if name in FIXED_MP and gpus >= 8:
+    pipelines = name in FIXED_MP and gpus >= 8
+    if pipelines:
         strategy.hybrid_configs = {"mp_degree": FIXED_MP[name]}
+    specs = fns.partition_specs(mesh=targets.mesh("h100", gpus, mp=8))
+    loss, cut = (fns.pipeline_layer(), fns.pipeline_params) if pipelines else (fns.loss_fn, _same)
     start = time.perf_counter()
     try:
         found = auto.search(
-            fns.loss_fn,
+            loss,
             optax.adam(1e-4),
-            params,
+            cut(params),
             batch,
             strategy=strategy,
-            param_specs=fns.partition_specs(mesh=targets.mesh("h100", gpus, mp=8)),
+            param_specs=cut(specs),
             devices=targets.devices("h100", gpus),
         )
     except ValueError as e:  # nothing fits: the smallest candidate says by how much
@@ -134,14 +169,13 @@ def auto_row(name: str, gpus: int) -> dict[str, Any]:
         return {"model": name, "GPUs": gpus, "by": "auto", "layout": f"nothing fits: {reason}"}
     seconds = time.perf_counter() - start
     chosen = found.chosen
-    row = {
-        "model": name,
-        "GPUs": gpus,
-        "by": "auto",
-        "layout": str(chosen.layout),
-        "state + grads formula GiB": chosen.formula_bytes / GiB,
-    }
-    row |= explained_row(name, gpus, found.make_train_step(), params, batch)
+    row = {"model": name, "GPUs": gpus, "by": "auto", "layout": str(chosen.layout)}
+    layout = chosen.layout
+    formula = formula_of(name, gpus, layout.mp, layout.pp, layout.vpp)
+    # Megatron's formulas hold for a pipeline of one sequence per micro-batch under ZeRO-1/2.
+    like = layout.pp > 1 and layout.stage < 3 and layout.micro_batches == formula.micro_batches
+    step = found.make_train_step()
+    row |= explained_row(gpus, step, cut(params), batch, formula, like)
     compiled = sum(c.device_bytes is not None for c in found.candidates)
     return row | {
         "compiled / considered": f"{compiled} / {len(found.candidates)}",
@@ -149,33 +183,42 @@ def auto_row(name: str, gpus: int) -> dict[str, Any]:
     }
 
 
-def megatron_row(name: str, gpus: int, tp: int, pp: int) -> dict[str, Any]:
-    """Megatron-LM's layout: tensor `tp` x pipeline `pp` (1F1B, micro-batches of one
-    sequence), data parallel over the rest with the optimizer state split over it (its
-    distributed optimizer = ZeRO-1), full recompute."""
+def _same(tree: Any) -> Any:
+    return tree
+
+
+def megatron_row(name: str, gpus: int, tp: int, pp: int, vpp: int = 1) -> dict[str, Any]:
+    """Megatron-LM's layout: tensor `tp` x pipeline `pp` (1F1B, or interleaved over `vpp`
+    chunks per stage; micro-batches of one sequence), data parallel over the rest with the
+    optimizer state split over it (its distributed optimizer = ZeRO-1), full recompute."""
     fns, params, batch = gpt(name)
-    dp = gpus // (tp * pp)
-    sequences = MODELS[name][3]
+    formula = formula_of(name, gpus, tp, pp, vpp)
+    dp = formula.dp
     s = bf16()
     s.sharding, s.pipeline, s.recompute = True, True, True
     s.hybrid_configs = {"sharding_degree": dp, "mp_degree": tp, "pp_degree": pp}
     s.sharding_configs = {"sharding_degree": dp, "stage": 1}
-    s.pipeline_configs = {"accumulate_steps": sequences // dp, "micro_batch_size": 1}
+    s.pipeline_configs = {
+        "accumulate_steps": formula.micro_batches,
+        "micro_batch_size": 1,
+        "schedule_mode": "VPP" if vpp > 1 else "1F1B",
+    }
     s.recompute_configs = {"policy": "nothing_saveable"}
     mesh = targets.mesh("h100", gpus, sharding=dp, pp=pp, mp=tp)
-    loss = PipelineLayer(fns.embed, fleetjax.recompute(fns.stage), fns.head_loss)
     specs = fns.pipeline_params(fns.partition_specs(mesh=mesh))
-    step = fleetjax.make_train_step(loss, optax.adam(1e-4), s, mesh, param_specs=specs)
-    n = sum(x.size for x in jax.tree.leaves(params))
-    formula = n / (tp * pp) * (4 + 8 / dp + 4)  # fp32 weights, Adam over dp, fp32 gradients
+    step = fleetjax.make_train_step(
+        fns.pipeline_layer(vpp), optax.adam(1e-4), s, mesh, param_specs=specs
+    )
+    schedule = f"VPP (V={vpp})" if vpp > 1 else "1F1B"
     row = {
         "model": name,
         "GPUs": gpus,
         "by": "Megatron-LM",
-        "layout": f"dp={dp} (ZeRO-1) mp={tp} pp={pp} 1F1B recompute",
-        "state + grads formula GiB": formula / GiB,
+        "layout": f"dp={dp} (ZeRO-1) mp={tp} pp={pp} {schedule} recompute",
+        "formula HBM GiB": sum(formula.hbm().values()) / GiB,
+        "formula MFU": formula.mfu(targets.get("h100").spec),
     }
-    return row | explained_row(name, gpus, step, fns.pipeline_params(params), batch)
+    return row | explained_row(gpus, step, fns.pipeline_params(params), batch, formula)
 
 
 def zero_rows() -> list[dict[str, Any]]:
@@ -316,14 +359,21 @@ def _figures(rows: list[dict], zero: list[dict], pipe: list[dict]) -> dict[str, 
     fitted = [r for r in rows if "est. MFU" in r and r["by"] == "auto"]
     big = next((r for r in fitted if (r["model"], r["GPUs"]) == ("175B", 1024)), {})
     megatron = [r for r in rows if r["by"] == "Megatron-LM"]
+    same_gpus = [r for r in megatron if r["GPUs"] == big.get("GPUs")]
+    hand = min(same_gpus, key=lambda r: r["est. step s"], default={})
     ratio = [r["H100 / CPU"] for r in pipe]
     return {
         "best_mfu": f"{100 * max((r['est. MFU'] for r in fitted), default=0):.1f}",
         "big_hbm": f"{big.get('HBM GiB', math.nan):.1f}",
         "big_layout": big.get("layout", "-"),
         "big_search": f"{big.get('search s', math.nan):.0f}",
+        "big_step": f"{big.get('est. step s', math.nan):.2f}",
+        "hand_layout": hand.get("layout", "-"),
+        "hand_step": f"{hand.get('est. step s', math.nan):.2f}",
         "megatron_hbm": ", ".join(f"{r['HBM GiB']:.0f}" for r in megatron) or "-",
-        "megatron_gather": ", ".join(f"{r['all-gathered GiB'] / 1024:.0f}" for r in megatron),
+        "megatron_ratio": ", ".join(f"{r['HBM / formula']:.2f}" for r in megatron) or "-",
+        "megatron_plain": ", ".join(f"{100 * r['plain-model MFU']:.0f}%" for r in megatron),
+        "formula_mfu": ", ".join(f"{100 * r['formula MFU']:.0f}%" for r in megatron),
         "slowest": _slowest(rows),
         "zero_temp": ", ".join(f"{r['H100 temp MiB'] / r['CPU temp MiB']:.2f}" for r in zero),
         "pipe_low": f"{min(ratio):.2f}",
@@ -341,38 +391,42 @@ speed depends on kernels that XLA autotunes on a GPU (here it cannot).
 GPT-3's shapes (Brown et al. 2020: 1.3B 24 x 2048, 6.7B 32 x 4096, 13B 40 x 5120, 175B
 96 x 12288, heads of 128) with the example GPT (`examples/gpt.py`: scanned blocks, Megatron
 layers), vocabulary 51200, sequence 2048, GPT-3's batch sizes (512, 1024, 1024 and 1536
-sequences); bf16 compute with fp32 master weights (AMP O1), Adam. A layout "by auto" is what
+sequences); the whole model in bf16 with fp32 master weights (AMP O2, Paddle's
+`use_pure_bf16`, Megatron-LM's `--bf16`), Adam. A layout "by auto" is what
 `fleetjax.auto.search(..., devices=targets.devices("h100", N))` chose from its candidates
-(dp, ZeRO stage and degree, mp up to a host's 8, recompute, in-step micro-batches, offload),
-the 13B and 175B with mp fixed at 8 as Megatron-LM splits them; "HBM GiB" is the chosen step's
-arguments + outputs - aliased + temporaries per device (`explain`'s peak estimate), against
-the H100's 79.1 GiB; "state + grads formula GiB" the same from the placement alone (fp32
-weights, Adam's moments and the gradients, each split as ZeRO says). The whole 175B search on
-1024 H100s (chosen: {big_layout}, {big_hbm} GiB per device) took {big_search} s here; where
-many layouts fit, the lower bound prunes little and the search compiles most of them (the
-slowest: {slowest}). "est.
-step s" is the cost model's step time: max(matmul flops / 989.4 TFLOP/s, HBM bytes / 3.35 TB/s)
-plus every collective's ring bytes over NVLink (450 GB/s) within a host and InfiniBand (50 GB/s
-per GPU) across hosts, with no overlap; "est. MFU" is PaLM's model flops (6 N + 12 L h s per
-token) over that time and the bf16 peak. The best estimate here is {best_mfu}%, below the
-published figures (Megatron-LM: up to 47% MFU on H100 for GPT models of 2B to 462B, its
-README; MaxText: about 50%) because (1) the estimate assumes no overlap of communication with
-compute, which XLA's asynchronous collectives (every one here is a -start/-done pair) and
-Megatron's overlap flags give back; (2) fleetjax's ZeRO-3 at these batch sizes gathers fp32
-weights for every micro-batch and every recompute pass, over the network when tensor
-parallelism fills the host; (3) no autotuning and no fused attention kernels (the example GPT
-materialises the attention scores).
+(dp, ZeRO stage and degree, mp up to a host's 8, pp with 1F1B and VPP, recompute, in-step
+micro-batches, offload), the 13B and 175B with mp fixed at 8 as Megatron-LM splits them. "HBM
+GiB" is the step's arguments + outputs - aliased + temporaries per device (`explain`'s peak
+estimate) against the H100's 79.1 GiB; "HBM / formula" the same over Megatron's formula for
+the layout (`fleetjax.targets.Megatron.hbm`: fp32 weights and gradients, Adam over the data
+replicas, bf16 weights, the first stage's kept layer inputs, a layer's recompute working set,
+the logits), and "mp / pp / sharding GiB (x formula)" each axis's payload per step against
+`Megatron.axis_bytes`. "est. step s" is the cost model's step time: max(matmul flops /
+989.4 TFLOP/s, HBM bytes / 3.35 TB/s) plus every collective's ring bytes over NVLink
+(450 GB/s) within a host and InfiniBand (50 GB/s per GPU) across hosts, with no overlap; "...,
+overlapped" takes off what the asynchronous collectives can hide behind the computation XLA
+scheduled between each start and done. "est. MFU" is PaLM's model flops (6 N + 12 L h s per
+token) over that time and the bf16 peak; "plain-model MFU" uses the compiled matmuls and
+collectives without the memory term, the model of Megatron's formula ("formula MFU": model
+flops x 4/3 for recompute, stretched by the bubble (pp - 1) / (m V), plus each axis's ring
+bytes). The best estimate here is {best_mfu}% (Megatron-LM reports up to 47% MFU on H100 for
+GPT models of 2B to 462B; MaxText about 50%).
 
-Megatron-LM's layouts for 175B (tensor 8 x pipeline 8 or 16, its distributed optimizer as
-ZeRO-1 over the data-parallel rest, micro-batches of one sequence, full recompute) compile to
-{megatron_hbm} GiB per device, over the H100's memory and far over the formula: fleetjax's
-pipeline keeps each in-flight micro-batch's `jax.vjp` residuals, and under AMP those include
-the chunk's weights cast to bf16 (a copy per in-flight micro-batch, up to 2 pp - 1 of them;
-the residuals that are the parameters themselves are already left out). They also all-gather
-{megatron_gather} TiB per step over `sharding` (ZeRO-1's data-parallel axis), far more than
-the one gather of the updated weights ZeRO-1 needs. Until the pipeline recomputes weight-only
-residuals in the backward pass and keeps ZeRO-1's gather out of its ticks, `auto` finds
-pipelines over budget at this scale; these are fleetjax's defects, not Megatron-LM's.
+Megatron-LM's layouts for 175B ({megatron_hbm} GiB per device; {megatron_ratio} x its
+formula) compile with every axis's payload within 1.25x of the formula and a plain-model MFU
+of {megatron_plain} (the formula's own: {formula_mfu}). The pipeline keeps each in-flight
+micro-batch's layer inputs only (full recompute), split over mp (each mp device keeps its part
+of the sequence; the backward gathers it), casts the stage's weights to bf16 once per step,
+adds each layer's weight gradients into the stage's fp32 accumulator as they are made,
+reduce-scatters the accumulated gradients over the data replicas once after its loop and
+gathers the updated weights once (ZeRO-1), and sends an activation and a cotangent only in
+the ticks that run forwards and backwards. Lockstep SPMD ticks keep up to 2 pp - 1
+micro-batches in flight on the first stage (Megatron's asynchronous 1F1B keeps pp); splitting
+the kept inputs over mp more than makes up for it. The whole 175B search on 1024 H100s chose
+{big_layout} ({big_hbm} GiB per device, est. {big_step} s) in {big_search} s; Megatron-LM's
+fastest hand layout here ({hand_layout}) is est. {hand_step} s under the same cost model.
+Where many layouts fit, the lower bound prunes little and the search compiles most of them
+(the slowest: {slowest}).
 
 **ZeRO staircase, CPU vs H100 compiles** (the CPU benchmark's MLP, 8 devices):
 

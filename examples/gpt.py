@@ -2,9 +2,10 @@
 
 Token embedding (`VocabParallelEmbedding`) plus learned positions; N pre-LayerNorm blocks of
 causal multi-head attention (q, k and v from one `ColumnParallelLinear`, heads split over
-``mp``; the output projection a `RowParallelLinear`) and an MLP (`ColumnParallelLinear` ->
-gelu -> `RowParallelLinear`); a final LayerNorm, a vocabulary-parallel output projection and
-`ParallelCrossEntropy`. Each block costs two all-reduces over ``mp`` in the forward pass.
+``mp``, attended by `jax.nn.dot_product_attention`; the output projection a
+`RowParallelLinear`) and an MLP (`ColumnParallelLinear` -> gelu -> `RowParallelLinear`); a final
+LayerNorm, a vocabulary-parallel output projection and `ParallelCrossEntropy`. Each block costs
+two all-reduces over ``mp`` in the forward pass.
 
 The blocks' parameters are stacked on a leading layer axis (logical name ``"layers"``) and run
 by a `lax.scan` whose body is marked with `fleetjax.recompute`; the model is also cut into
@@ -15,13 +16,13 @@ by a `lax.scan` whose body is marked with `fleetjax.recompute`; the model is als
     loss = gpt.loss_fn(params, batch, key)           # with hidden_dropout_prob > 0
     specs = gpt.partition_specs(mesh=mesh)           # PartitionSpecs like params
     parts = gpt.pipeline_params(params)              # PipelineParams(embed, layers, head)
+    model = gpt.pipeline_layer()                     # the loss a pipeline trains on parts
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -45,10 +46,10 @@ Params = dict[str, Any]
 Batch = dict[str, jax.Array]
 
 # Activations are constrained by their trailing dimensions: the batch dimension keeps the
-# sharding it arrives with (over the data axes from the train step; under the pipeline, the
-# replicas' axis is split instead, and constraining the rows would reshuffle them).
+# sharding it arrives with, except where ROWS splits it over the data axes (inside a pipeline,
+# where each device runs its own replica, those axes are manual and the constraint leaves them).
 HIDDEN = ("activation_length", "activation_embed")  # the residual stream [batch, length, embed]
-ROWS = ("activation_batch", *HIDDEN)  # and its rows over the data axes, outside a pipeline
+ROWS = ("activation_batch", *HIDDEN)  # and its rows over the data axes
 HEADS = ("activation_length", "activation_heads", "activation_kv")  # q, k, v
 
 
@@ -68,6 +69,11 @@ class GPTConfig:
       hidden_dropout_prob: dropout of the embeddings and of each block's attention and MLP
         outputs (Paddle GPT's, which defaults to 0.1; 0 here). Above 0 the model's functions
         need a PRNG key: `make_train_step(..., has_rng=True)`.
+      attention_implementation: `jax.nn.dot_product_attention`'s ``implementation``: None
+        (JAX picks: XLA's attention, on every backend), ``"xla"`` or ``"cudnn"`` (cuDNN's fused
+        flash attention on NVIDIA GPUs, which keeps no [heads, T, T] scores; it takes bf16 or
+        fp16 only, so float32 q, k and v are cast to bfloat16 for it, and it needs the cuDNN
+        library even to compile: ``pip install 'fleetjax[aot-cudnn]'`` without a GPU).
     """
 
     vocab_size: int = 128
@@ -79,15 +85,21 @@ class GPTConfig:
     initializer_range: float = 0.02
     layer_norm_epsilon: float = 1e-5
     hidden_dropout_prob: float = 0.0
+    attention_implementation: Literal["xla", "cudnn"] | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.hidden_dropout_prob < 1:
             raise ValueError(
                 f"GPTConfig.hidden_dropout_prob must be in [0, 1), got {self.hidden_dropout_prob!r}"
             )
+        if self.attention_implementation not in (None, "xla", "cudnn"):
+            raise ValueError(
+                "GPTConfig.attention_implementation must be None, 'xla' or 'cudnn', got "
+                f"{self.attention_implementation!r}"
+            )
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name == "hidden_dropout_prob":
+            if field.name in ("hidden_dropout_prob", "attention_implementation"):
                 continue
             if field.type == "int" and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"GPTConfig.{field.name} must be an int, got {value!r}")
@@ -178,11 +190,11 @@ class Attention(nnx.Module):
         # columns holds whole heads, so attention needs no communication.
         qkv = self.qkv_proj(x).reshape(batch, length, heads, 3, head_dim)
         q, k, v = (constrain(qkv[..., i, :], HEADS) for i in range(3))
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head_dim)
-        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
-        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-        out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
-        return self.out_proj(out.reshape(batch, length, width))
+        implementation = self.config.attention_implementation
+        if implementation == "cudnn" and q.dtype == jnp.float32:
+            q, k, v = (y.astype(jnp.bfloat16) for y in (q, k, v))  # cuDNN takes bf16/fp16 only
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+        return self.out_proj(out.astype(x.dtype).reshape(batch, length, width))
 
 
 class Block(nnx.Module):
@@ -271,15 +283,19 @@ class GPTFunctions:
         """The mean next-token loss of ``batch["tokens"]`` (int32 [B, T + 1]); with dropout,
         `key` is the step's PRNG key, split among the parts as a pipeline of one micro-batch
         splits it (`fleetjax.transforms.pipeline.part_keys`)."""
-        # The blocks are recomputed under a recompute strategy. Their rows stay split over the
-        # data axes (without a pipeline, nothing else splits them): otherwise XLA may gather
-        # the activations instead of the parameters that ZeRO-3 splits over `sharding`.
-        model = PipelineLayer(
+        return self.pipeline_layer()(self.pipeline_params(params), batch, *key)
+
+    def pipeline_layer(self, num_virtual_pipeline_stages: int = 1) -> PipelineLayer:
+        """The GPT cut for a pipeline (on `pipeline_params`), which also trains unpipelined:
+        the blocks marked for recompute, their rows kept split over the data axes (without a
+        pipeline nothing else splits them, and XLA might gather the activations instead of
+        the parameters that ZeRO-3 splits over `sharding`)."""
+        return PipelineLayer(
             lambda p, batch, *key: constrain(self.embed(p, batch, *key), ROWS),
             fleetjax.recompute(lambda p, h, *key: constrain(self.stage(p, h, *key), ROWS)),
             self.head_loss,
+            num_virtual_pipeline_stages=num_virtual_pipeline_stages,
         )
-        return model(self.pipeline_params(params), batch, *key)
 
     def embed(self, embed_params: Params, batch: Batch, key: jax.Array | None = None) -> jax.Array:
         """Tokens ``[:, :-1]`` to the residual stream [B, T, hidden_size]."""

@@ -44,7 +44,7 @@ def main(args) -> dict[str, float] | None:
     fleet.init_worker()
     data = PowerLawClicks(args.slots, args.ids_per_slot, alpha=args.alpha, seed=args.seed)
     net = DeepFM(data.num_ids, args.slots, data.dense, args.embedding_dim, rngs=nnx.Rngs(0))
-    model = fleet.distributed_model(net)
+    model = fleet.distributed_model(net).module  # the nnx Module, trained in place
     fleet.distributed_optimizer(fleetjax.optimizers.adam(args.lr))
     batches = data.batches(args.batch_size, args.seed)
     losses = []

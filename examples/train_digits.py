@@ -220,8 +220,9 @@ def main(args: argparse.Namespace) -> dict[str, float]:
     }
     platform = step.mesh.devices.flat[0].platform
     print(
-        f"\nfinal loss {summary['final_loss']:.4f} | test accuracy {test_accuracy:.2%} | "
-        f"{summary['samples_per_second']:,.0f} samples/s over {timed} steps | "
+        f"\n{args.steps - done} steps | final loss {summary['final_loss']:.4f} | "
+        f"test accuracy {test_accuracy:.2%} | {summary['samples_per_second']:,.0f} samples/s "
+        f"(steps {done + 2}-{args.steps}: the first compiles) | "
         f"{summary['devices']} {platform} devices, mesh {dict(step.mesh.shape)}"
     )
     return summary

@@ -343,7 +343,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     platform = mesh.devices.flat[0].platform
     print(
         f"\nloss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} | "
-        f"{throughput:,.0f} tokens/s over {args.steps - 1} steps | "
+        f"{throughput:,.0f} tokens/s (steps 2-{args.steps}: the first compiles) | "
         f"{summary['devices']} {platform} devices, mesh {summary['mesh']}"
     )
     return summary

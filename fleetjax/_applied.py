@@ -100,6 +100,11 @@ def applied_strategy(
     if flags_in_effect is not None:
         missing = tuple(_not_in_effect(f) for f in flags if f not in flags_in_effect)
         flags = tuple(flags_in_effect)
+    if mesh is not None and mesh.devices.flat[0].platform == "cpu":  # XLA:CPU ignores them
+        idle = [f for f in plan.xla_flags if xla_flags.tunes_gpu_only(f)]
+        flags = tuple(f for f in flags if f not in idle)
+        missing = tuple(m for m in missing if m.knob not in {f.knob for f in idle})
+        missing += tuple(NoEffect(f.knob, _ON_CPU.format(f)) for f in idle)
     return AppliedStrategy(
         strategy=plan.strategy,
         mesh={a: sizes[a] for a in AXES},
@@ -241,13 +246,18 @@ def _optimizer(switch: OptimizerSwitch, optimizer: DistributedOptimizer | None) 
 # -- what has no effect ------------------------------------------------------------------------
 
 
+_ON_CPU = "no effect on this backend: {} tunes XLA:GPU, and XLA:CPU has no counterpart"
+
+
 def _not_in_effect(flag: xla_flags.Flag) -> NoEffect:
     present = xla_flags.in_env().get(flag.name)
-    if present is not None and present != flag.value:
+    if xla_flags.users(flag.name):
         why = f"XLA_FLAGS sets --{flag.name}={present}, which wins over {flag}"
+    elif present is not None:
+        why = f"{flag} came after JAX's backend started with an earlier strategy's {present}"
     else:
         why = (
             f"{flag} is not in effect: the installed jaxlib refuses it, or JAX's backend had "
-            "started before fleet.init (see the StrategyWarning fleet.init gave)"
+            "started before fleet.init (the StrategyWarning fleet.init gave says which)"
         )
     return NoEffect(flag.knob, why)

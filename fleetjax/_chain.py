@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -63,7 +64,7 @@ def grad_chain(
     which run it inside their own `shard_map` over the data axes).
     """
     if plan.amp is not None:
-        loss_fn = _autocast(loss_fn, plan.amp.policy)
+        loss_fn = _autocast(loss_fn, plan.amp.policy, signature.has_state)
     if plan.pipeline is not None:
         grad_fn = _pipelined(loss_fn, plan, mesh, placement, signature, loss_scale)
     else:
@@ -118,15 +119,37 @@ def _recomputed(grad_fn: GradFn, plan: Plan, mesh: Mesh) -> GradFn:
     return traced
 
 
-def _autocast(loss_fn: Loss, policy: amp.Policy) -> Loss:
-    if isinstance(loss_fn, PipelineLayer):
-        return dataclasses.replace(
-            loss_fn,
-            embed=amp.autocast(loss_fn.embed, policy),
-            stage=amp.autocast(loss_fn.stage, policy),
-            head_loss=amp.autocast(loss_fn.head_loss, policy),
-        )
-    return amp.autocast(loss_fn, policy)
+def _autocast(loss_fn: Loss, policy: amp.Policy, has_state: bool) -> Loss:
+    if not isinstance(loss_fn, PipelineLayer):
+        return amp.autocast(loss_fn, policy)
+    # Under O2 (Paddle's pure half precision) the activations between a model's parts are in
+    # half precision too, as a whole-model O2 run computes them; a pipeline keeps and sends
+    # them so (autocast alone gives each part's outputs back in float32).
+    half = policy.dtype if policy.level == "O2" else None
+    return dataclasses.replace(
+        loss_fn,
+        embed=_activations_in(amp.autocast(loss_fn.embed, policy), half, has_state),
+        stage=_activations_in(amp.autocast(loss_fn.stage, policy), half, has_state),
+        head_loss=amp.autocast(loss_fn.head_loss, policy),
+    )
+
+
+def _activations_in(part: Callable[..., Any], dtype: Any, has_state: bool) -> Callable[..., Any]:
+    """`part` (embed or stage) with its floating activations in `dtype` (None: as they are);
+    with `has_state` it returns ``(activations, new_state)``, whose state keeps its dtypes."""
+    if dtype is None:
+        return part
+
+    def cast(tree: Any) -> Any:
+        floating = lambda x: jnp.issubdtype(x.dtype, jnp.floating)  # noqa: E731
+        return jax.tree.map(lambda x: x.astype(dtype) if floating(x) else x, tree)
+
+    @functools.wraps(part)
+    def wrapped(*args: Any) -> Any:
+        out = part(*args)
+        return (cast(out[0]), out[1]) if has_state else cast(out)
+
+    return wrapped
 
 
 def _normalised(
@@ -234,12 +257,11 @@ def _pipelined(
     loss_scale: DynamicLossScale | None,
 ) -> GradFn:
     """The pipeline's gradient function; it accumulates its micro-batches (in-step gradient
-    merge is that) and reduces over the data axes once, through the plan's reducer where the
-    strategy controls the communication (fp16_allreduce, hierarchical all-reduce)."""
+    merge is that) and reduces over the data axes once, through the plan's reducer."""
     model.check_flags(signature.has_rng, signature.has_state)
     config = plan.pipeline
-    controlled = plan.allreduce_dtype is not None or plan.hierarchical is not None
-    reducer = _reducer(plan, mesh, placement) if controlled else None
+    reducer, scattered = _reducer(plan, mesh, placement, pipelined=True)
+    spec_of = lambda tree: jax.tree.map(lambda s: s.spec, tree)  # noqa: E731
     value_and_grad_fn = pipeline(
         model.embed,
         model.stage,
@@ -252,7 +274,9 @@ def _pipelined(
         has_aux=signature.has_aux,
         has_rng=signature.has_rng,
         has_state=signature.has_state,
-        reducer=None if reducer is None else reducer[0],
+        reducer=reducer,
+        param_specs=spec_of(placement.params),
+        grad_specs=None if scattered is None else spec_of(scattered),
     )
     scale = None if loss_scale is None else loss_scale.loss_scale
 
@@ -268,18 +292,20 @@ def _pipelined(
 
 
 def _reducer(
-    plan: Plan, mesh: Mesh, placement: Placement
+    plan: Plan, mesh: Mesh, placement: Placement, *, pipelined: bool = False
 ) -> tuple[grad_allreduce.Reducer, Any] | None:
     """The explicit reducer over the data axes, with the gradients' placement when it leaves
-    each device a shard (ZeRO-2), or None where XLA's own collectives do (ZeRO-3: a reducer's
-    `shard_map` would gather every parameter at its entry, the whole model at once; XLA
-    gathers each where it is used and reduce-scatters its gradient)."""
-    if plan.sharding_stage == 3:
+    each device a shard (ZeRO-2; under a pipeline any ZeRO stage), or None where XLA's own
+    collectives do (ZeRO-3 outside a pipeline: a reducer's `shard_map` would gather every
+    parameter at its entry, the whole model at once; XLA gathers each where it is used and
+    reduce-scatters its gradient). A pipeline always reduces its gradients itself, once
+    after its loop (by default their mean)."""
+    if plan.sharding_stage == 3 and not pipelined:
         return None
     replicas = data_parallel_size(mesh)
-    zero2 = plan.sharding_stage == 2 and mesh.shape.get("sharding", 1) > 1
+    zero = plan.sharding_stage == 2 or (pipelined and plan.sharding_stage)
     dtype = jnp.dtype(plan.allreduce_dtype or jnp.float32)
-    if zero2:  # each device ends with only its shard of the reduced gradient
+    if zero and mesh.shape.get("sharding", 1) > 1:  # each device ends with its shard
         grads = placement.grads
         specs = jax.tree.map(lambda s: restrict(s.spec, data_axes(mesh)), grads)
         return grad_allreduce.scatter_mean(specs), grads
@@ -289,6 +315,7 @@ def _reducer(
         return grad_allreduce.hierarchical_mean(replicas, per_node, dtype), None
     # Micro-batch gradients accumulate on each device and are reduced once (under GSPMD,
     # XLA would all-reduce every micro-batch's gradient inside the loop).
-    if plan.allreduce_dtype is not None or (plan.in_step_merge is not None and replicas > 1):
+    merged = plan.in_step_merge is not None and replicas > 1
+    if pipelined or plan.allreduce_dtype is not None or merged:
         return grad_allreduce.mean_in(dtype), None
     return None

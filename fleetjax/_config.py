@@ -260,6 +260,7 @@ class Message:
         object.__setattr__(self, "_spec", spec)
         object.__setattr__(self, "_path", path)
         object.__setattr__(self, "_values", {})
+        object.__setattr__(self, "_copy_of", None)  # set on an element of a repeated field
         children = {
             f.name: Message._make(f.type, f"{path}.{f.name}")
             for f in spec.fields
@@ -273,9 +274,23 @@ class Message:
         if name in self._children:
             return self._children[name]
         value = self._values.get(name, spec.default)
+        if spec.repeated and spec.is_message:  # messages, as Paddle's repeated fields hold
+            return FrozenList(self._element(name, i, v) for i, v in enumerate(value))
         if spec.repeated:
-            return FrozenList(dict(v) if isinstance(v, Mapping) else v for v in value)
+            return FrozenList(value)
         return value
+
+    def _element(self, name: str, index: int, values: Mapping[str, Any]) -> Message:
+        """Element `index` of the repeated message field `name`: a read-only copy."""
+        element = Message._make(self._spec.field(name).type, f"{self._path}.{name}[{index}]")
+        element._apply(element._checked(values))
+        element._mark_copy(f"{self._path}.{name}")
+        return element
+
+    def _mark_copy(self, source: str) -> None:
+        object.__setattr__(self, "_copy_of", source)
+        for child in self._children.values():
+            child._mark_copy(source)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):  # keeps copy/pickle from recursing before _setup ran
@@ -321,11 +336,13 @@ class Message:
         return out
 
     def _plain(self, name: str) -> Any:
-        """The value of `name` as plain Python data (dicts and lists)."""
+        """The value of `name` as plain Python data (dicts and lists; a repeated message's
+        elements as the dicts of their set values)."""
+        if self._spec.field(name).repeated:
+            value = self._values.get(name, self._spec.field(name).default)
+            return [dict(v) if isinstance(v, Mapping) else v for v in value]
         value = self._get(name)
-        if isinstance(value, Message):
-            return value.to_dict()
-        return list(value) if isinstance(value, list) else value
+        return value.to_dict() if isinstance(value, Message) else value
 
     # -- writing -------------------------------------------------------------------------
     def __setattr__(self, name: str, value: Any) -> None:
@@ -336,6 +353,7 @@ class Message:
 
     def reset(self, name: str) -> None:
         """Return `name` to its default and clear its presence."""
+        self._check_writable()
         self._spec.field(name)
         if name in self._children:
             self._children[name].clear_values()
@@ -343,6 +361,7 @@ class Message:
 
     def clear_values(self) -> None:
         """Return every field to its default."""
+        self._check_writable()
         self._values.clear()
         for child in self._children.values():
             child.clear_values()
@@ -353,11 +372,19 @@ class Message:
         Everything is checked before anything changes, so on error the message is untouched.
         Nested messages accept a dict (merged) or a message of the same kind (replaces).
         """
+        self._check_writable()
         if values is not None and not isinstance(values, Mapping):
             raise FieldTypeError(
                 f"{self._path} must be set from a dict, got {type(values).__name__} {values!r}"
             )
         self._apply(self._checked({**(values or {}), **kwargs}))
+
+    def _check_writable(self) -> None:
+        if self._copy_of is not None:
+            raise TypeError(
+                f"{self._path} is a copy of an element of {self._copy_of}, so a change to it "
+                f"could not reach the strategy; assign {self._copy_of} a new list instead"
+            )
 
     def _checked(self, values: Mapping[str, Any]) -> dict[str, Any]:
         """Validate `values` against the spec without changing anything."""

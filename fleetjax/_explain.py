@@ -20,8 +20,9 @@ import numpy as np
 from jax.sharding import Mesh
 
 from fleetjax import hlo, targets
-from fleetjax.auto._cost import Seconds, device_spec, network_share, step_cost, wire_bytes
-from fleetjax.auto._memory import compiled_bytes, device_bytes, formula
+from fleetjax.auto._cost import Seconds, collective_seconds, device_spec, step_cost
+from fleetjax.auto._memory import compiled_bytes, device_bytes
+from fleetjax.auto._memory import formula as state_formula
 from fleetjax.step import TrainStep
 
 MiB, GiB = 2**20, 2**30
@@ -51,6 +52,28 @@ class CollectiveUse:
     axes: tuple[str, ...] | None = None
     asynchronous: bool | None = None
     seconds: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisTraffic:
+    """The payload one device's collectives carry per step over one mesh axis (or a set of
+    axes), beside a formula's where one was given.
+
+    Attributes:
+      axes: the mesh axes, e.g. ("mp",) or ("dp", "sharding").
+      bytes: the payload: each all-reduce's, all-gather's, all-to-all's and permute's result,
+        each reduce-scatter's operand (its result times its group), every loop trip counted.
+      formula: what `targets.Megatron.axis_bytes` says for these axes, or None.
+    """
+
+    axes: tuple[str, ...]
+    bytes: int
+    formula: float | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        """bytes / formula (None without a formula)."""
+        return self.bytes / self.formula if self.formula else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +127,7 @@ class Explanation:
       collectives: by kind and dtype (on a GPU target also by mesh axis and form), each
         counted as often as one step runs it.
       gpu: on a mesh of GPUs `fleetjax.targets` knows, what the step needs of them.
+      traffic: on such a mesh, the payload per mesh axis (beside a formula's, if given).
     """
 
     params: int
@@ -115,6 +139,7 @@ class Explanation:
     host_arguments: int
     collectives: tuple[CollectiveUse, ...]
     gpu: GpuEstimate | None = None
+    traffic: tuple[AxisTraffic, ...] = ()
 
     def _bytes_rows(self) -> list[tuple[str, int]]:
         rows = [
@@ -136,6 +161,9 @@ class Explanation:
             lines += _gpu_lines(self.gpu)
         lines.append("collectives:" if self.collectives else "collectives: none")
         lines += [_collective_line(c) for c in self.collectives]
+        if self.traffic:
+            lines.append("payload per mesh axis and step:")
+            lines += [_traffic_line(t) for t in self.traffic]
         if self.gpu is not None:
             lines += _estimate_lines(self.gpu)
         return "\n".join(lines)
@@ -161,6 +189,9 @@ class Explanation:
             for c in self.collectives
         ]
         parts.append("</table>")
+        if self.traffic:
+            lines = ["payload per mesh axis and step:", *map(_traffic_line, self.traffic)]
+            parts.append("<pre>" + html.escape("\n".join(lines)) + "</pre>")
         if self.gpu is not None:
             parts.append("<pre>" + html.escape("\n".join(_estimate_lines(self.gpu))) + "</pre>")
         return "".join(parts)
@@ -197,6 +228,13 @@ def _collective_line(c: CollectiveUse) -> str:
     return f"{line}  over {axes:<14} {form:<5} ~{ms} ms"
 
 
+def _traffic_line(t: AxisTraffic) -> str:
+    line = f"  {'+'.join(t.axes):<19} {t.bytes / GiB:14.3f} GiB"
+    if t.formula is not None:
+        line += f"  formula {t.formula / GiB:.3f} GiB ({t.ratio:.2f}x)"
+    return line
+
+
 def _estimate_lines(gpu: GpuEstimate) -> list[str]:
     t = gpu.time
     return [
@@ -208,6 +246,8 @@ def _estimate_lines(gpu: GpuEstimate) -> list[str]:
         f"  latency   {t.latency * 1e3:10.3f} ms  per collective",
         f"  host      {t.host * 1e3:10.3f} ms  offloaded state over PCIe",
         f"  step    ~ {t.total * 1e3:10.3f} ms  max(compute, memory) + the rest (no overlap)",
+        f"  overlap ~ {t.overlapped * 1e3:10.3f} ms  with the asynchronous collectives beside "
+        "the computation XLA scheduled",
     ]
 
 
@@ -239,12 +279,7 @@ def _collective_uses(text: str, mesh: Mesh, gpu: bool) -> tuple[CollectiveUse, .
     def of_line(line: str, shapes: Mapping[str, tuple[int, ...]]) -> _Uses:
         uses = _Uses()
         for c in hlo.collectives(line):
-            seconds = 0.0
-            if gpu:
-                wire, share = wire_bytes(c, mesh.size), network_share(c.groups, hosts)
-                network = spec.network_bandwidth or spec.link_bandwidth
-                seconds = wire * (1 - share) / spec.link_bandwidth + wire * share / network
-                seconds += spec.latency if wire else 0.0
+            seconds = collective_seconds(c, spec, mesh.size, hosts) if gpu else 0.0
             for dtype, dims in c.arrays:
                 key = (c.op, dtype, _axes(c, mesh), c.asynchronous) if gpu else (c.op, dtype)
                 size = hlo.itemsize(dtype) * math.prod(dims)
@@ -269,11 +304,31 @@ def _axes(c: hlo.Collective, mesh: Mesh) -> tuple[str, ...]:
     return tuple(a for a, v in zip(mesh.axis_names, varies, strict=True) if v)
 
 
+def _traffic(
+    uses: tuple[CollectiveUse, ...], mesh: Mesh, formula: targets.Megatron | None
+) -> tuple[AxisTraffic, ...]:
+    """The payload per mesh axis of `uses` (with their axes), beside `formula`'s: its "mp",
+    "pp", and "data" for the data axes (dp, sharding)."""
+    payload: dict[tuple[str, ...], int] = {}
+    for c in uses:
+        group = math.prod(mesh.shape[a] for a in c.axes)
+        size = c.bytes * (group if c.op == "reduce-scatter" else 1)
+        payload[c.axes] = payload.get(c.axes, 0) + size
+    expected = formula.axis_bytes() if formula is not None else {}
+
+    def formula_of(axes: tuple[str, ...]) -> float | None:
+        if axes and set(axes) <= {"dp", "sharding"}:
+            return expected.get("data")
+        return expected.get(axes[0]) if len(axes) == 1 else None
+
+    return tuple(AxisTraffic(a, b, formula_of(a)) for a, b in sorted(payload.items()) if a)
+
+
 def _gpu_estimate(step: TrainStep, compiled: Any, target: targets.Target) -> GpuEstimate:
     memory = compiled.memory_analysis()
     peak, host, note = compiled_bytes(memory), memory.host_argument_size_in_bytes, ""
     host += memory.host_temp_size_in_bytes
-    offloaded = formula(step).host
+    offloaded = state_formula(step).host
     if offloaded and not memory.host_argument_size_in_bytes:
         # Compile-only devices have no host memory: XLA kept the state on the device.
         peak, host = peak - offloaded, host + offloaded
@@ -292,7 +347,14 @@ def _gpu_estimate(step: TrainStep, compiled: Any, target: targets.Target) -> Gpu
     )
 
 
-def explain(step: TrainStep, batch: Any, state: Any = None, *, show: bool = True) -> Explanation:
+def explain(
+    step: TrainStep,
+    batch: Any,
+    state: Any = None,
+    *,
+    show: bool = True,
+    formula: targets.Megatron | None = None,
+) -> Explanation:
     """Compile `step` for `batch` (nothing runs) and report what each device holds and sends.
 
     `state` defaults to the one `step.init` or `step.abstract_init` made (its shapes); `batch`
@@ -300,7 +362,9 @@ def explain(step: TrainStep, batch: Any, state: Any = None, *, show: bool = True
     it either way (Jupyter shows it as tables). Collectives are counted as often as one step
     runs them: those in a compiled loop (a pipeline's ticks, `num_iteration_per_run` steps)
     once per trip, and of a conditional's branches the one that moves the most bytes. On a
-    mesh of GPUs that `fleetjax.targets` knows, the report also has `Explanation.gpu`.
+    mesh of GPUs that `fleetjax.targets` knows, the report also has `Explanation.gpu` and the
+    payload per mesh axis, `Explanation.traffic`, beside `formula`'s where one is given (a
+    `targets.Megatron` describing the model and layout).
     """
     state = state if state is not None else step.abstract_state
     if state is None:
@@ -318,6 +382,7 @@ def explain(step: TrainStep, batch: Any, state: Any = None, *, show: bool = True
     else:
         grads = device_bytes(abstract.params, placement.grads)
     target = targets.of(step.mesh.devices.flat[0])
+    uses = _collective_uses(compiled.as_text(), step.mesh, target is not None)
     report = Explanation(
         params=device_bytes(abstract.params, placement.params),
         grads=grads,
@@ -326,8 +391,9 @@ def explain(step: TrainStep, batch: Any, state: Any = None, *, show: bool = True
         arguments=memory.argument_size_in_bytes,
         outputs=memory.output_size_in_bytes,
         host_arguments=memory.host_argument_size_in_bytes,
-        collectives=_collective_uses(compiled.as_text(), step.mesh, target is not None),
+        collectives=uses,
         gpu=None if target is None else _gpu_estimate(step, compiled, target),
+        traffic=() if target is None else _traffic(uses, step.mesh, formula),
     )
     if show:
         print(report)

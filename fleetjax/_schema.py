@@ -908,6 +908,13 @@ GRADIENT_SCALE_CONFIG = message(
     ],
 )
 
+# Names fleetjax had and removed: their errors name the replacement.
+_EXPLAIN_REMOVED = (
+    "strategy.explain() was removed (fleetjax's redesign, issue 17); "
+    "print(fleetjax.applied_strategy(strategy)) shows what a strategy does, and "
+    "fleet.applied_strategy() what the fleet's does on its mesh"
+)
+
 MODE = Enum("Mode", (("COLLECTIVE", 1), ("PS", 2), ("PIPELINE", 3), ("HETER", 4)))
 
 DISTRIBUTED_STRATEGY = message(
@@ -1076,11 +1083,28 @@ DISTRIBUTED_STRATEGY = message(
         field(202, "execution_strategy", EXECUTION_STRATEGY, paddle=False),
         field(203, "gradient_scale_configs", GRADIENT_SCALE_CONFIG),
     ],
+    hints={"explain": _EXPLAIN_REMOVED},
 )
 
 # -- paddle.distributed.Strategy (auto-parallel; seed 002) -------------------------------------
 # Section keys and defaults are Paddle's (python/paddle/distributed/auto_parallel/constants.py);
 # numbers only order the fields.
+
+# Quantization-aware training (Paddle's auto-parallel constants.py QAT section).
+_NO_QAT = "quantization-aware training is not in fleetjax"
+AUTO_QAT = message(
+    "QATSection",
+    "qat",
+    [
+        field(1, "enable", bool, False),
+        field(2, "channel_wise_abs_max", bool, True),
+        field(3, "weight_bits", int, 8, check=_positive),
+        field(4, "activation_bits", int, 8, check=_positive),
+        field(5, "not_quant_pattern", str, ["skip_quant"]),
+        field(6, "algo", str, None),
+        field(7, "onnx_format", bool, True),
+    ],
+)
 
 AUTO_SHARDING = message(
     "ShardingSection",
@@ -1127,6 +1151,14 @@ AUTO_SHARDING = message(
             bool,
             True,
             note="checkpoints hold whole arrays (orbax), whatever the placement",
+        ),
+        field(
+            17,
+            "segment_broadcast_MB",
+            float,
+            32.0,
+            note="Paddle 2.4's size of the parameter broadcast segments (Paddle 3 dropped the key "
+            "and takes it as any attribute); XLA schedules ZeRO's all-gathers itself",
         ),
     ],
 )
@@ -1332,6 +1364,7 @@ AUTO_STRATEGY = message(
         field(4, "pipeline", AUTO_PIPELINE),
         field(5, "amp", AUTO_AMP),
         field(6, "recompute", AUTO_RECOMPUTE),
+        field(7, "qat", AUTO_QAT),  # qat.enable raises (read_plan); the settings do nothing
         *_AUTO_OPTIMIZATION_SECTIONS,
         *_AUTO_BASE_FIELDS,
         field(
@@ -1342,25 +1375,12 @@ AUTO_STRATEGY = message(
             note="jax.jit always traces the whole step; there is no partial-graph mode",
         ),
     ],
+    hints={"explain": _EXPLAIN_REMOVED},
 )
 
 # -- paddle.distributed.fleet.auto.Strategy (the older auto-parallel strategy) ----------------
 # Section keys and defaults are Paddle's constants.py; fleetjax trains with the newer Strategy
 # (`Strategy._from_legacy_strategy` converts, as Paddle's does).
-
-AUTO_QAT = message(
-    "QATSection",
-    "qat",
-    [
-        field(1, "enable", bool, False),
-        field(2, "channel_wise_abs_max", bool, True),
-        field(3, "weight_bits", int, 8, check=_positive),
-        field(4, "activation_bits", int, 8, check=_positive),
-        field(5, "not_quant_pattern", str, ["skip_quant"]),
-        field(6, "algo", str, None),
-        field(7, "onnx_format", bool, True),
-    ],
-)
 
 AUTO_TUNING = message(
     "TuningSection",
@@ -1399,7 +1419,7 @@ LEGACY_AUTO_STRATEGY = message(
         field(3, "sharding", AUTO_SHARDING),
         field(4, "gradient_merge", AUTO_GRADIENT_MERGE),
         field(5, "pipeline", AUTO_PIPELINE),
-        field(6, "qat", AUTO_QAT, note="quantization-aware training is not in fleetjax"),
+        field(6, "qat", AUTO_QAT, note=_NO_QAT),
         field(7, "tuning", AUTO_TUNING, note="there is no auto-tuner in fleetjax"),
         field(
             8,

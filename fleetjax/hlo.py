@@ -6,7 +6,10 @@
 * `per_call(text, measure, zero, choose)`: a per-instruction measure summed over what one call
   of the module runs: a while loop's body its known trip count times, a conditional's branch
   `choose` picks, fusions and calls once per call (XLA's own cost analysis counts a loop once);
-* `computations(text)` and `while_loop(line)`: the module's computations and its loops.
+* `computations(text)` and `while_loop(line)`: the module's computations and its loops;
+* `overlap(text, compute, communicate)`: how much of the asynchronous collectives' time the
+  schedule can hide behind the computation it places between each ``-start`` and its
+  ``-done``.
 
 No maintained library reads XLA's HLO text, so this is written here; the formats it reads are
 XLA's (`replica_groups` as lists, iota and mesh forms; `known_trip_count` backend configs).
@@ -19,7 +22,7 @@ import functools
 import math
 import re
 from collections.abc import Callable, Mapping
-from typing import Protocol, Self, TypeVar
+from typing import NamedTuple, Protocol, Self, TypeVar
 
 import numpy as np
 
@@ -289,3 +292,79 @@ def per_call(
         return total
 
     return amount(entry)
+
+
+class Overlap(NamedTuple):
+    """Seconds of one call of a computation: computing, communicating, and how much of the
+    communication runs beside computation (asynchronous collectives only)."""
+
+    compute: float = 0.0
+    communicate: float = 0.0
+    hidden: float = 0.0
+
+    def __add__(self, other: tuple) -> Overlap:  # type: ignore[override]
+        return Overlap(*(a + b for a, b in zip(self, other, strict=True)))
+
+    def times(self, n: float) -> Overlap:
+        return Overlap(*(n * a for a in self))
+
+
+def overlap(
+    hlo_text: str,
+    compute: Callable[[str, Mapping[str, tuple[int, ...]]], float],
+    communicate: Callable[[Collective], float],
+) -> Overlap:
+    """What one call of a scheduled module computes and communicates, in seconds, and how much
+    of the communication it can hide: an asynchronous collective (a ``-start`` / ``-done``
+    pair) hides up to the computation the schedule places between its start and its done
+    (`compute(line, shapes)` seconds per instruction, loops, branches and calls included as in
+    `per_call`); a synchronous one hides nothing. The text's instruction order is the schedule
+    (XLA prints a scheduled module in order)."""
+    computations_, entry = computations(hlo_text)
+
+    @functools.cache
+    def seconds(name: str) -> Overlap:
+        lines = computations_.get(name)
+        if lines is None:
+            return Overlap()
+        shapes = {m["name"]: dims(m["shape"]) for m in _PARAM.finditer(lines[0])}
+        total, elapsed = Overlap(), 0.0
+        started: dict[str, tuple[float, float]] = {}  # start -> (its seconds, compute before)
+        for line in lines[1:]:
+            assigned = ASSIGN.match(line)
+            if assigned:
+                shapes[assigned["name"]] = dims(assigned["shape"])
+            inner = _called(line, seconds)
+            for c in collectives(line):
+                if c.asynchronous and assigned:
+                    started[assigned["name"]] = (communicate(c), elapsed)
+                else:
+                    inner += Overlap(communicate=communicate(c))
+            if (done := _DONE.search(line)) and done.group(1) in started:
+                comm, before = started.pop(done.group(1))
+                inner += Overlap(0.0, comm, min(comm, elapsed - before))
+            step = compute(line, shapes) + inner.compute
+            elapsed += step
+            total += inner._replace(compute=step)
+        leftover = sum(comm for comm, _ in started.values())
+        return total + Overlap(communicate=leftover)
+
+    return seconds(entry)
+
+
+_DONE = re.compile(r"-done\(%([\w.\-]+)")
+
+
+def _called(line: str, seconds: Callable[[str], Overlap]) -> Overlap:
+    """The seconds of what `line` calls: a loop's body per trip, a conditional's costliest
+    branch, or its called computations."""
+    if loop := while_loop(line):
+        return seconds(loop[0]).times(loop[1])
+    if branches := _BRANCHES.search(line):
+        names = NAME.findall(branches.group(1) or "") or list(branches.group(2, 3))
+        return max((seconds(b) for b in names), key=lambda o: o.compute + o.communicate)
+    total = Overlap()
+    for group in _CALLS.findall(line):
+        for callee in NAME.findall(group):
+            total += seconds(callee)
+    return total

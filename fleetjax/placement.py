@@ -6,7 +6,8 @@ runs, so it works for meshes of compile-only devices too):
 * the batch: its leading dimension split over the data axes (`dp` x `sharding`);
 * parameters: split by their logical axis names (or `param_specs`) over `mp`, a pipeline's
   stacked layers over `pp`, and under ZeRO stage 3 also over `sharding` (`zero_spec`);
-* gradients: as the parameters, under ZeRO stages 2 and 3 also over `sharding`;
+* gradients: as the parameters, under ZeRO stages 2 and 3 also over `sharding` (under a
+  pipeline, stage 1 too: it reduce-scatters the whole gradients it accumulates);
 * optimizer state: as its parameters, under any ZeRO stage also over `sharding`, in pinned
   host memory under `optimize_offload`;
 * model state (batch-norm statistics): by `state_specs` or logical axis names;
@@ -284,7 +285,10 @@ def place(
         params_at = _shardings(mesh, zero if plan.sharding_stage == 3 else specs)
         in_update = _host_tables(params, params_at, _shardings(mesh, opt_specs))[1]
         params_at, opt_at = _host_tables(params, params_at, _shardings(mesh, opt_specs, memory))
-        grads = _shardings(mesh, _rows_whole(zero if plan.sharding_stage >= 2 else specs, params))
+        # A pipeline accumulates its stage's whole gradients anyway and reduce-scatters them
+        # once per step under any ZeRO stage (as Megatron's distributed optimizer does).
+        scattered = plan.sharding_stage >= 2 or (plan.pipeline is not None and plan.sharding_stage)
+        grads = _shardings(mesh, _rows_whole(zero if scattered else specs, params))
     state = TrainState(
         step=rep,
         params=params_at,

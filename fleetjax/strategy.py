@@ -28,6 +28,7 @@ from typing import Any
 
 from fleetjax import _prototxt, _schema
 from fleetjax._config import FrozenList, Message, MessageSpec, UnknownFieldError
+from fleetjax._fleet_desc import tables_from_fleet_desc
 from fleetjax._prototxt import PrototxtError
 from fleetjax._warnings import warn_once
 
@@ -117,7 +118,7 @@ hybrid_configs={'dp_degree': 2, 'mp_degree': 4})
         if name in _ALIASES:
             *parents, leaf = _ALIASES[name]
             return self._descend(parents)._get(leaf)
-        if name == "sparse_table_configs":
+        if name in ("sparse_table_configs", "fleet_desc_configs"):  # Paddle: one getter
             return self._sparse_table_configs()
         return super().__getattr__(name)
 
@@ -127,6 +128,8 @@ hybrid_configs={'dp_degree': 2, 'mp_degree': 4})
             self._descend(parents).update({leaf: value})
         elif name == "sparse_table_configs":
             self.update({"downpour_table_param": _tables_from(value)})
+        elif name == "fleet_desc_configs":
+            self.update({"downpour_table_param": tables_from_fleet_desc(value)})
         elif name == "a_sync":
             # Paddle's setter: True is asynchronous and False synchronous training, so it also
             # sets a_sync_configs.k_steps to 0 (Geo-SGD is k_steps > 0, set after a_sync).
@@ -136,16 +139,11 @@ hybrid_configs={'dp_degree': 2, 'mp_degree': 4})
             super().__setattr__(name, value)
 
     def _sparse_table_configs(self) -> FrozenList:
-        """Paddle's `sparse_table_configs` getter: the tables of `downpour_table_param`, each a
-        `TableParameter` config with every field readable (defaults included). They are
-        copies: assign `sparse_table_configs` (or `downpour_table_param`) to change them."""
-        spec = _schema.TABLE_PARAMETER
-        found = []
-        for i, values in enumerate(self.downpour_table_param):
-            table = Message._make(spec, f"sparse_table_configs[{i}]")
-            table.update(values)
-            found.append(table)
-        return FrozenList(found)
+        """Paddle's `sparse_table_configs` (and `fleet_desc_configs`) getter: the tables of
+        `downpour_table_param`, each a `TableParameter` config with every field readable
+        (defaults included), its repeated messages too. They are read-only copies: assign
+        `sparse_table_configs` (or `downpour_table_param`) to change them."""
+        return self.downpour_table_param
 
     def _descend(self, path: list[str]) -> Message:
         target: Message = self
@@ -191,7 +189,8 @@ hybrid_configs={'dp_degree': 2, 'mp_degree': 4})
         return cls().load_from_prototxt(pb_file)
 
     def __dir__(self) -> list[str]:
-        return sorted(set(super().__dir__()) | set(_ALIASES) | {"sparse_table_configs"})
+        extra = {"sparse_table_configs", "fleet_desc_configs"}
+        return sorted(set(super().__dir__()) | set(_ALIASES) | extra)
 
     def _enable_env(self) -> None:
         """Paddle's `_enable_env`: export the strategy's process-wide tuning as Paddle's
@@ -337,7 +336,7 @@ _LEGACY_PASSES = {
     "fused_gemm_epilogue_pass": "gemm_epilogue",
     "fused_dropout_add_pass": "dropout_add",
 }
-# Sections only the older auto-parallel Strategy has.
+# Sections Paddle's _from_legacy_strategy leaves behind (the newer Strategy lacks all but qat).
 _LEGACY_ONLY = ("qat", "tuning", "dataset", "fused_linear_promotion")
 
 

@@ -9,8 +9,13 @@ knobs to flags (`Plan.xla_flags`; the table is in `fleetjax.plan`), and `fleet.i
 * a flag the installed jaxlib knows is added to `XLA_FLAGS` (an unknown flag makes jaxlib abort
   the process, so each is tried in a child process first);
 * a flag that comes too late (the backend already started) is a one-time warning, never a
-  silent no-op; so is a flag that `XLA_FLAGS` already sets to another value (it wins, as
-  Paddle's environment flags win over the strategy).
+  silent no-op; so is a flag that the user's `XLA_FLAGS` already sets to another value (it
+  wins: XLA reads it). A value an earlier `apply` wrote is fleetjax's, not the user's: a
+  later strategy replaces it (or, once the backend started, is too late for it).
+
+The precedence is one rule, explicit over implicit: the user's `XLA_FLAGS`, then a strategy
+field that is set, then Paddle's `FLAGS_*` environment variable for it (`fleet.init`), then the
+field's default.
 
 The mapped flags tune XLA:GPU; XLA:CPU has no counterpart (it always combines all-reduces, up to
 256 of any size, and has no autotuner), so on CPU they are accepted and change nothing.
@@ -29,7 +34,7 @@ import jax
 
 from fleetjax._warnings import warn_once
 
-__all__ = ["Flag", "apply", "backend_started", "in_env", "refused"]
+__all__ = ["Flag", "apply", "backend_started", "in_env", "refused", "tunes_gpu_only", "users"]
 
 
 class Flag(NamedTuple):
@@ -65,6 +70,8 @@ def backend_started() -> bool:
 
 # str(flag) -> None if the installed jaxlib accepts it, else jaxlib's complaint.
 _verdicts: dict[str, str | None] = {}
+# name -> value of the flags `apply` put into XLA_FLAGS (fleetjax's, not the user's).
+_written: dict[str, str] = {}
 _GLOG = re.compile(r"^[EF]\d{4} [\d:.]+\s+\d+ \S+\] (?P<message>.*)$", re.MULTILINE)
 _CHECK_TIMEOUT_S = 120
 
@@ -112,13 +119,20 @@ def in_env() -> dict[str, str]:
     means true)."""
     out = {}
     for token in os.environ.get("XLA_FLAGS", "").split():
-        name, sep, value = token.lstrip("-").partition("=")
-        out[name] = value if sep else "true"
+        _, sep, value = token.lstrip("-").partition("=")
+        out[_name(token)] = value if sep else "true"
     return out
 
 
-def _gpu_only(flags: Sequence[Flag]) -> bool:
-    return all(f.name.startswith("xla_gpu_") for f in flags)
+def tunes_gpu_only(flag: Flag) -> bool:
+    """Whether `flag` tunes XLA:GPU only (XLA:CPU has no counterpart: there it does nothing)."""
+    return flag.name.startswith("xla_gpu_")
+
+
+def users(name: str) -> bool:
+    """Whether `XLA_FLAGS` sets flag `name` to a value of the user's (not one `apply` wrote)."""
+    value = in_env().get(name)
+    return value is not None and _written.get(name) != value
 
 
 def apply(flags: Sequence[Flag], owner: str = "DistributedStrategy") -> tuple[Flag, ...]:
@@ -132,10 +146,10 @@ def apply(flags: Sequence[Flag], owner: str = "DistributedStrategy") -> tuple[Fl
     present = in_env()
     in_effect, new = [], []
     for flag in flags:
-        if flag.name not in present:
-            new.append(flag)
-        elif present[flag.name] == flag.value:
+        if present.get(flag.name) == flag.value:
             in_effect.append(flag)
+        elif flag.name not in present or _written.get(flag.name) == present[flag.name]:
+            new.append(flag)  # unset, or an earlier apply's value: this one replaces it
         else:
             warn_once(
                 f"XLA_FLAGS sets --{flag.name}={present[flag.name]}, which wins over "
@@ -144,7 +158,7 @@ def apply(flags: Sequence[Flag], owner: str = "DistributedStrategy") -> tuple[Fl
     if not new:
         return tuple(in_effect)
     if backend_started():
-        if _gpu_only(new) and jax.default_backend() == "cpu":
+        if all(map(tunes_gpu_only, new)) and jax.default_backend() == "cpu":
             return tuple(in_effect)  # XLA:CPU has no counterpart: nothing is lost
         listed = ", ".join(f"{owner}.{f.knob} ({f})" for f in new)
         warn_once(
@@ -158,6 +172,12 @@ def apply(flags: Sequence[Flag], owner: str = "DistributedStrategy") -> tuple[Fl
         warn_once(f"{owner}.{flag.knob} has no effect: the installed jaxlib refuses {flag} ({why})")
     accepted = [f for f in new if f not in rejected]
     if accepted:
-        current = os.environ.get("XLA_FLAGS", "")
-        os.environ["XLA_FLAGS"] = " ".join([current, *map(str, accepted)]).strip()
+        names = {f.name for f in accepted}
+        kept = [t for t in os.environ.get("XLA_FLAGS", "").split() if _name(t) not in names]
+        os.environ["XLA_FLAGS"] = " ".join([*kept, *map(str, accepted)])
+        _written.update((f.name, f.value) for f in accepted)
     return tuple(in_effect + accepted)
+
+
+def _name(token: str) -> str:
+    return token.lstrip("-").partition("=")[0]

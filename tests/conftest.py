@@ -30,6 +30,15 @@ def _fresh_warnings():
 
 
 @pytest.fixture
+def fresh_fleet(monkeypatch):
+    """A `Fleet` of its own in a process alone (no launcher's variables)."""
+    for name in ("PADDLE_TRAINER_ID", "PADDLE_TRAINER_ENDPOINTS", "PADDLE_TRAINERS_NUM"):
+        monkeypatch.delenv(name, raising=False)
+    jax.devices()  # so fleet.init leaves XLA_FLAGS alone: the backend already started
+    return fleetjax.fleet.Fleet()
+
+
+@pytest.fixture
 def every_flag_strategy() -> fleetjax.DistributedStrategy:
     """A DistributedStrategy setting every knob that maps to an XLA flag."""
     return fleetjax.DistributedStrategy(

@@ -7,9 +7,10 @@ import numpy as np
 import optax
 import pytest
 from hlo import stablehlo_dtypes
+from jax.extend.core.primitives import remat_p
 
 import fleetjax
-from fleetjax.transforms import amp
+from fleetjax.transforms import amp, recompute
 from fleetjax.transforms.loss_scale import DynamicLossScale
 
 
@@ -263,6 +264,29 @@ def test_autocast_through_scan_cond_while_and_custom_jvp():
     assert grads.dtype == jnp.float32
     chex.assert_trees_all_close(grads, jax.grad(fn)(w, x), rtol=5e-2, atol=5e-2)
     text = jax.jit(cast).lower(w, x).as_text()
+    assert stablehlo_dtypes(text, "dot_general") == {"bf16"}
+
+
+def test_autocast_through_recompute_runs_the_recomputed_layers_in_half():
+    """A layer marked with `fleetjax.recompute` under a recompute strategy is a
+    `jax.checkpoint` (primitive ``remat2`` in recent JAX): its dots run in bf16 too, in the
+    forward pass and in the backward pass that recomputes it."""
+
+    def layer(w, x):
+        return jnp.tanh(x @ w)
+
+    def loss(w, x):
+        def body(h, _):
+            return fleetjax.recompute(layer)(w, h), None
+
+        return jnp.sum(jax.lax.scan(body, x, None, length=2)[0])
+
+    w, x = jnp.eye(8) * 0.5, jnp.ones((4, 8))
+    cast = amp.autocast(loss, amp.policy("bfloat16"))
+    with recompute.recompute_scope(policy="nothing_saveable"):
+        jaxpr = jax.make_jaxpr(cast)(w, x)
+        text = jax.jit(jax.grad(cast)).lower(w, x).as_text()
+    assert f"{remat_p.name}[" in str(jaxpr)  # the layer stayed rematerialised
     assert stablehlo_dtypes(text, "dot_general") == {"bf16"}
 
 

@@ -13,14 +13,14 @@ ENDPOINTS = "10.0.0.1:6170,10.0.0.1:6171,10.0.0.2:6170"
 class TestRoleMakers:
     def test_paddle_check_case_29_collective_env(self):
         role = PaddleCloudRoleMaker(
-            environ={"PADDLE_TRAINER_ID": "1", "PADDLE_TRAINER_ENDPOINTS": ENDPOINTS}
+            True, environ={"PADDLE_TRAINER_ID": "1", "PADDLE_TRAINER_ENDPOINTS": ENDPOINTS}
         )
         assert (role.worker_index, role.worker_num, role.node_num) == (1, 3, 2)
         assert role.current_endpoint == "10.0.0.1:6171"
         assert role.is_distributed and role.role == Role.WORKER
 
     def test_no_environment_is_a_single_worker(self):
-        role = PaddleCloudRoleMaker(environ={})
+        role = PaddleCloudRoleMaker(True, environ={})
         assert (role.worker_index, role.worker_num, role.is_distributed) == (0, 1, False)
         assert role.worker_endpoints == ["127.0.0.1:6170"]
 
@@ -31,12 +31,12 @@ class TestRoleMakers:
             "PADDLE_TRAINER_ENDPOINTS": ENDPOINTS,
             "PADDLE_CURRENT_ENDPOINT": "10.0.0.2:6170",
         }
-        assert PaddleCloudRoleMaker(environ=env).worker_index == 2
+        assert PaddleCloudRoleMaker(True, environ=env).worker_index == 2
 
     def test_reads_os_environ(self, monkeypatch):
         monkeypatch.setenv("PADDLE_TRAINER_ENDPOINTS", "127.0.0.1:7000,127.0.0.1:7001")
         monkeypatch.setenv("PADDLE_TRAINER_ID", "1")
-        assert PaddleCloudRoleMaker().worker_index == 1
+        assert PaddleCloudRoleMaker(is_collective=True).worker_index == 1
 
     @pytest.mark.parametrize(
         ("env", "message"),
@@ -53,7 +53,7 @@ class TestRoleMakers:
     )  # fmt: skip
     def test_bad_environment(self, env, message):
         with pytest.raises(ValueError, match=message):
-            PaddleCloudRoleMaker(environ=env)
+            PaddleCloudRoleMaker(True, environ=env)
 
     def test_trainers_num_differing_from_the_endpoints_warns_and_counts_endpoints(self):
         env = {"PADDLE_TRAINERS_NUM": "2", "PADDLE_TRAINER_ENDPOINTS": "127.0.0.1:36000"}
@@ -62,7 +62,7 @@ class TestRoleMakers:
             match=r"PADDLE_TRAINERS_NUM=2 but PADDLE_TRAINER_ENDPOINTS lists 1 endpoint\(s\) "
             r"\(127.0.0.1:36000\): the worker count is the endpoint count, 1, as in Paddle",
         ):
-            role = PaddleCloudRoleMaker(environ=env)
+            role = PaddleCloudRoleMaker(True, environ=env)
         assert (role.worker_num, role._worker_num(), role.is_distributed) == (1, 1, False)
 
     def test_user_defined(self):

@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import fleetjax
-from fleetjax import StrategyWarning, applied_strategy, distributed_model, fleet, optimizers
+from fleetjax import StrategyWarning, applied_strategy, distributed_model, optimizers
 from fleetjax.fleet import Trainer
 from fleetjax.layers import BatchNorm, ColumnParallelLinear, RowParallelLinear, partition_specs
 from fleetjax.mesh import batch_sharding
@@ -433,14 +433,6 @@ def test_per_replica_learning_rate_and_model():
 # -- the fleet's dygraph calls -------------------------------------------------------------------
 
 
-@pytest.fixture
-def fresh_fleet(monkeypatch):
-    for name in ("PADDLE_TRAINER_ID", "PADDLE_TRAINER_ENDPOINTS", "PADDLE_TRAINERS_NUM"):
-        monkeypatch.delenv(name, raising=False)
-    jax.devices()  # so fleet.init leaves XLA_FLAGS alone: the backend already started
-    return fleet.Fleet()
-
-
 def test_fleet_trains_the_distributed_model(fresh_fleet):
     f = fresh_fleet.init(strategy=DS())
     data = batches(3)
@@ -459,7 +451,7 @@ def test_fleet_trains_the_distributed_model(fresh_fleet):
     f.backward(mse, data[1])
     assert float(f.step()) == pytest.approx(expected[1], rel=1e-6)
     f.clear_grad()
-    assert f.trainer.model is model
+    assert f.trainer.model is model.module  # the DistributedModel's module, trained in place
 
     def mae(model, batch):  # another loss goes on from the same state
         return jnp.mean(jnp.abs(model(batch["x"]) - batch["y"]))
@@ -480,7 +472,7 @@ def test_the_optimizer_does_seed_004s_calls_on_the_fleets_trainer(fresh_fleet):
     f = fresh_fleet.init(strategy=DS())
     adam = f.distributed_optimizer(optimizers.Adam(learning_rate=0.01))
     assert isinstance(adam, fleetjax.DistributedOptimizer) and adam.fleet is f
-    model = f.distributed_model(MLP())
+    model = f.distributed_model(MLP()).module
     assert adam.get_lr() == 0.01 and f.get_lr() == 0.01  # Paddle's print(lr): 0.01
     assert adam.state_dict() == {}  # Paddle's optimizer makes its state at the first step
     adam.set_state_dict({})
@@ -589,7 +581,7 @@ class Classifier(nnx.Module):
 def test_paddles_save_inference_model_exports_the_trained_model(fresh_fleet, tmp_path):
     f = fresh_fleet.init(strategy=DS(sync_batch_norm=True))
     opt = f.distributed_optimizer(optimizers.sgd(0.1))
-    model = f.distributed_model(Classifier())
+    model = f.distributed_model(Classifier()).module
     batch = seed_004_batch()
     opt.minimize(mse, batch)
     opt.minimize(mse, batch)
@@ -751,8 +743,10 @@ def test_fleet_applied_strategy(fresh_fleet, every_flag_strategy):
     assert report.mesh == {"dp": 4, "sharding": 1, "pp": 1, "mp": 2}
     assert report.xla_flags == ()  # the backend had started: none is in effect
     asked = read_plan(every_flag_strategy).xla_flags
-    missing = [(i.knob, i.why) for i in report.ignored if "is not in effect" in i.why]
-    assert [knob for knob, _ in missing] == [f.knob for f in asked]
-    assert f"{asked[0]} is not in effect" in missing[0][1]
+    gpu = [f for f in asked if f.name.startswith("xla_gpu_")]
+    assert gpu and len(gpu) < len(asked)
+    for flag in asked:  # on CPU devices XLA:GPU's flags do nothing, whenever they came
+        expected = "no effect on this backend" if flag in gpu else f"{flag} is not in effect"
+        assert (flag.knob, expected) in [(i.knob, i.why[: len(expected)]) for i in report.ignored]
     assert "Momentum(learning_rate=0.1" in dict(report.applied)["optimizer"]
     assert "became LarsMomentum(" in dict(report.applied)["optimizer"]

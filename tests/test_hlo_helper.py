@@ -2,6 +2,8 @@
 
 from hlo import Collective, collectives, stablehlo_dtypes
 
+from fleetjax import hlo
+
 MESH = (
     "  %all-reduce.4 = (f32[32]{0}, f32[]) all-reduce(%a, %b), channel_id=1, "
     "replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0','axis_1'}, use_global_device_ids=true"
@@ -98,3 +100,39 @@ def test_an_asynchronous_start_counts_its_results_only():
     assert swap.arrays == [("f32", (4, 2)), ("bf16", (4,))]
     assert permute.arrays == [("f32", (3,))]
     assert reduce.arrays == [("f32", (5,))]
+
+
+TRIPS = 'backend_config={"known_trip_count":{"n":"3"}}'
+OVERLAPPED = "\n".join(
+    [
+        "HloModule m, is_scheduled=true",
+        "%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {",
+        "  %x = f32[8]{0} get-tuple-element(%p), index=1",
+        "  %ar = f32[8]{0} all-reduce-start(%x), replica_groups={{0,1}}",
+        "  %d1 = f32[8,8]{1,0} dot(f32[8,8]{1,0} %w, f32[8,8]{1,0} %w), lhs_contracting_dims={1}",
+        "  %ard = f32[8]{0} all-reduce-done(%ar)",
+        "  %cp = f32[8]{0} collective-permute(%x), source_target_pairs={{0,1},{1,0}}",
+        "  ROOT %t = (s32[], f32[8]) tuple(%i, %ard)",
+        "}",
+        "ENTRY %main (a: f32[8]) -> f32[8] {",
+        f"  %w = (s32[], f32[8]) while(%init), condition=%cond, body=%body, {TRIPS}",
+        "  ROOT %r = f32[8]{0} all-reduce(%a), replica_groups={{0,1}}",
+        "}",
+    ]
+)
+
+
+def test_overlap_hides_an_asynchronous_collective_behind_the_computation_between():
+    """The start ... done window hides up to the dot between them; the synchronous permute
+    and the entry's all-reduce hide nothing; a loop counts its body per trip."""
+    comm = {"all-reduce": 5.0, "collective-permute": 7.0}
+    found = hlo.overlap(
+        OVERLAPPED,
+        lambda line, shapes: 2.0 if " dot(" in line else 0.0,
+        lambda c: comm[c.op],
+    )
+    assert found == hlo.Overlap(compute=3 * 2.0, communicate=3 * (5.0 + 7.0) + 5.0, hidden=3 * 2.0)
+    longer = hlo.overlap(
+        OVERLAPPED, lambda line, shapes: 9.0 if " dot(" in line else 0.0, lambda c: comm[c.op]
+    )
+    assert longer.hidden == 3 * 5.0  # at most the collective's own time

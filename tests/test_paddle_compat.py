@@ -222,6 +222,25 @@ class TestAutoParallelStrategies:
         with pytest.raises(ValueError, match="Expected|must be set from a dict"):
             auto.Strategy("config.yaml")
 
+    @pytest.mark.parametrize("make", [auto.Strategy, fleetjax.Strategy])
+    def test_qat_and_paddle_2_4s_segment_broadcast_mb(self, make):
+        """Paddle's auto_parallel test_strategy: the qat section's defaults, and
+        `sharding.segment_broadcast_MB = 64.0`, which Paddle 3 still takes (as any attribute):
+        kept and read back, with a warning that it does nothing."""
+        s = make()
+        qat = s.qat
+        assert (qat.enable, qat.channel_wise_abs_max, qat.weight_bits) == (False, True, 8)
+        assert (qat.activation_bits, qat.not_quant_pattern, qat.algo) == (8, ["skip_quant"], None)
+        s.sharding.enable, s.sharding.stage, s.sharding.degree = True, 2, 2
+        s.sharding.segment_broadcast_MB = 64.0
+        assert s.sharding.segment_broadcast_MB == 64.0
+        if make is fleetjax.Strategy:
+            with pytest.warns(StrategyWarning, match=r"sharding.segment_broadcast_MB=64.0 has no"):
+                fleetjax.read_plan(s)
+            s.qat.enable = True
+            with pytest.raises(NotImplementedError, match=r"Strategy.qat.enable=True: quantiz"):
+                fleetjax.read_plan(s)
+
     def test_from_legacy_strategy_converts_as_paddle(self):
         legacy = auto.Strategy({"sharding": {"enable": True, "stage": 2}, "seed": 3})
         legacy.fused_passes.enable = True
@@ -273,7 +292,7 @@ class TestRoleMakers:
         assert ro._get_trainer_endpoints()[0] == "127.0.0.1:36001"
         assert ro._get_trainer_endpoint() == "127.0.0.2:36001"
         assert (ro._is_non_distributed(), ro._get_local_device_ids()) == (False, "0,1")
-        assert role_maker.PaddleCloudRoleMaker(environ={})._is_non_distributed()
+        assert role_maker.PaddleCloudRoleMaker(True, environ={})._is_non_distributed()
 
     def test_collectives_over_one_process(self):
         ro = role_maker.UserDefinedRoleMaker(worker_endpoints=["127.0.0.1:6170"])

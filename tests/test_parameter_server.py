@@ -64,6 +64,14 @@ class TestRoleMakers:
         assert role.worker_endpoints == ["127.0.0.1:7001", "127.0.0.1:7002"]
         assert role._get_trainer_endpoint() == "127.0.0.1:7002"
 
+    def test_paddles_default_is_parameter_server_mode(self, monkeypatch):
+        """Paddle's test_fleet_base: `PaddleCloudRoleMaker()` under TRAINING_ROLE=PSERVER is a
+        server (its `is_collective` defaults to False)."""
+        for name, value in ps_env("PSERVER").items():
+            monkeypatch.setenv(name, value)
+        role = PaddleCloudRoleMaker()
+        assert (role.is_collective, role._is_server(), role._server_index()) == (False, True, 1)
+
     def test_without_servers_a_lone_trainer_as_in_paddle(self):
         role = PaddleCloudRoleMaker(is_collective=False, environ={})
         assert (role._is_worker(), role._worker_num(), role._server_num()) == (True, 1, 0)
@@ -334,7 +342,8 @@ def test_save_and_load_model_on_a_trainer(ps_fleet, tmp_path):
 
     fleet.save(str(tmp_path / "model"), feed=["ids"], fetch=[lambda m, f: m(f["ids"])])
     exported = fleet.load_inference_model(str(tmp_path / "model"))
-    np.testing.assert_allclose(exported(batch["ids"])[0], model(batch["ids"]), rtol=1e-6)
+    expected = model(batch["ids"]).numpy()  # a DistributedModel's outputs, read
+    np.testing.assert_allclose(exported(batch["ids"])[0], expected, rtol=1e-6)
     with pytest.raises(TypeError, match=r"unknown configs \['modes'\]; Paddle's is mode"):
         fleet.save(str(tmp_path / "state"), modes=1)
 

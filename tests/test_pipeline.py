@@ -117,15 +117,17 @@ def test_pipeline_order():
         to_pipeline_order(layers, 3, 1)
 
 
-def test_wrong_batch_size_states_the_three_numbers():
+@pytest.mark.parametrize("rows", [14, 24])  # 24: divisible by micro_batch_size, not 12
+def test_wrong_batch_size_states_the_rule_and_the_numbers(rows):
     mesh = build_mesh(dp=2, pp=4)
     step = pipeline(embed, stage, head_loss, mesh=mesh, micro_batch_size=2, accumulate_steps=3)
     with pytest.raises(ValueError) as error:
-        step(make_params(4), make_batch(14))
+        step(make_params(4), make_batch(rows))
     assert str(error.value) == (
-        "batch_size needs to be divisible by micro_batch_size. Currently, batch_size = 7, "
-        "micro_batch_size = 2, accumulate_steps = 3. (batch_size is per data-parallel "
-        "replica: 14 rows over 2 replicas)"
+        "a pipeline batch has data-parallel replicas x micro_batch_size x accumulate_steps = "
+        f"2 x 2 x 3 = 12 rows, got {rows}: pass 12 rows, or change pipeline_configs' "
+        "micro_batch_size or accumulate_steps (each replica's rows are accumulate_steps "
+        "micro-batches)"
     )
 
 

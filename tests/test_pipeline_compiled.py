@@ -92,10 +92,11 @@ def test_compiled_one_f_one_b_moves_activations_not_parameters():
     text = jax.jit(step).lower(params, batch).compile().as_text()
     found = collectives(text)
     permutes = [c for c in found if c.op == "collective-permute"]
-    # One activation to the next stage and one cotangent to the previous per tick: a replica's
-    # micro-batch of hidden units, f32[1, micro_batch_size, HIDDEN].
-    assert len(permutes) == 2
-    assert {re.sub(r"\{.*", "", c.shape) for c in permutes} == {"f32[1,2,8]"}
+    # An activation to the next stage in the warm-up's loop and the steady state's, a
+    # cotangent to the previous in the steady state's and the cool-down's: a replica's
+    # micro-batch of hidden units, f32[micro_batch_size, HIDDEN].
+    assert len(permutes) == 4
+    assert {re.sub(r"\{.*", "", c.shape) for c in permutes} == {"f32[2,8]"}
     # No stage parameters are gathered; gradients are reduced over dp once, after the loop.
     assert not [c for c in found if c.op == "all-gather"]
     reductions = [c for c in found if c.op in ("all-reduce", "reduce-scatter")]

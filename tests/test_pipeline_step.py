@@ -1,5 +1,7 @@
 """The pipeline inside make_train_step: the same numbers as the unpipelined model."""
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -251,9 +253,7 @@ class TestErrors:
     def test_batch_size_is_checked_like_paddle(self):
         params, batch = make(rows=24)
         step = fleetjax.make_train_step(MODEL, optax.sgd(0.1), pipelined())
-        with pytest.raises(
-            ValueError, match="batch_size = 12, micro_batch_size = 2, accumulate_steps = 4"
-        ):
+        with pytest.raises(ValueError, match=r"2 x 2 x 4 = 16 rows, got 24"):
             step(step.init(params), batch)
 
     def test_schedules_not_built(self):
@@ -276,12 +276,40 @@ class TestErrors:
 
 
 def test_explain_counts_the_permutes_of_every_tick():
-    """Activations go down and cotangents up once per tick, inside the compiled loop."""
-    step, state, _ = train(pipelined("1F1B", pp=4, accumulate_steps=4), steps=1)
+    """Activations go down in every tick that runs forwards and cotangents up in every tick
+    that runs backwards, inside the compiled loops: m + pp - 1 of each under 1F1B, not one of
+    each in all m + 2 (pp - 1) ticks (the warm-up sends no cotangent, the cool-down no
+    activation)."""
+    pp, m = 4, 4
+    step, state, _ = train(pipelined("1F1B", pp=pp, accumulate_steps=m), steps=1)
     report = fleetjax.explain(step, make(1)[1], state, show=False)
     permutes = [c for c in report.collectives if c.op == "collective-permute"]
-    ticks = fleetjax.pipeline_schedule("1F1B", 4, 4).ticks
-    assert [(c.dtype, c.count) for c in permutes] == [("f32", 2 * ticks)]
+    assert fleetjax.pipeline_schedule("1F1B", pp, m).ticks == m + 2 * (pp - 1)
+    sends = 2 * (m + pp - 1)
+    assert [(c.dtype, c.count) for c in permutes] == [("f32", sends)]
     # Each device sends its own replica's (dp=2 over 8 devices) [micro_batch_size, WIDTH].
     activation_bytes = 2 * WIDTH * 4
-    assert permutes[0].bytes == 2 * ticks * activation_bytes
+    assert permutes[0].bytes == sends * activation_bytes
+
+
+def test_amp_casts_the_stages_weights_once_per_step():
+    """Under AMP the stage converts its weights to bf16 before each matmul; the pipeline does
+    it once per step, before its loops, not in every tick and recomputed layer: the lowered
+    step converts the stage's stacked f32 [2, 32, 32] weights, never a layer's [32, 32]."""
+
+    def marked_stage(p, h):
+        return fleetjax.recompute(stage)(p, h)
+
+    s = pipelined(amp=True)
+    s.amp_configs = {"dtype": "bfloat16"}
+    s.recompute, s.recompute_configs = True, {"policy": "nothing_saveable"}
+    step = fleetjax.make_train_step(
+        PipelineLayer(embed, marked_stage, head_loss), optax.sgd(0.1), s
+    )
+    params, batch = make()
+    text = step.lower(step.init(params), batch).as_text()
+    converts = re.findall(
+        r"stablehlo.convert .*: \(tensor<([\dx]+)xf32>\) -> tensor<\1xbf16>", text
+    )
+    assert "2x32x32" in converts  # a stage's two layers of 32 x 32, at once
+    assert "32x32" not in converts

@@ -127,7 +127,9 @@ def test_round_trip_of_every_kind_of_field(tmp_path):
     s.save_to_prototxt(tmp_path / "s.prototxt")
     loaded = DistributedStrategy.from_prototxt(tmp_path / "s.prototxt")
     assert loaded == s
-    assert loaded.recompute_configs["refined_ops_patterns"][1] == {"pre_ops": ["x"]}
+    patterns = loaded.recompute_configs["refined_ops_patterns"]  # messages, as in Paddle
+    assert (patterns[0].num, patterns[1].pre_ops, patterns[1].num) == (2, ["x"], 0)
+    assert loaded.recompute_configs.set_values()["refined_ops_patterns"][1] == {"pre_ops": ["x"]}
 
 
 def test_loading_twice_does_not_duplicate_lists():

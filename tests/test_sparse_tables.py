@@ -541,8 +541,60 @@ class TestTableConfigs:
         }
         table = s.sparse_table_configs[0]
         assert table.accessor.embed_sgd_param.adagrad.learning_rate == 0.05
-        assert table.accessor.table_accessor_save_param[0] == {"param": 1}
+        saved = table.accessor.table_accessor_save_param
+        assert (saved[0].param, saved[1]["param"], saved[1].converter) == (1, 2, "")  # messages
         assert table.table_name == "emb" and table.shard_num == 1000  # Paddle's defaults read
+        with pytest.raises(TypeError, match=r"is a copy of an element of .*downpour_table_param"):
+            table.shard_num = 10  # would not reach the strategy
+
+    @pytest.mark.parametrize(
+        ("config", "read", "expected"),
+        [
+            ({"sparse_optimizer": "adagrad"}, "embed_sgd_param.adagrad.learning_rate", 0.05),
+            ({"sparse_optimizer": "naive"}, "embed_sgd_param.naive.learning_rate", 0.05),
+            ({"sparse_optimizer": "adam"}, "embed_sgd_param.adam.beta1_decay_rate", 0.9),
+            (
+                {"sparse_accessor_class": "DownpourUnitAccessor",
+                 "embed_sparse_optimizer": "std_adagrad"},
+                "ctr_accessor_param.show_scale",
+                False,
+            ),
+            (
+                {"sparse_accessor_class": "DownpourUnitAccessor",
+                 "embed_sparse_optimizer": "std_adagrad"},
+                "embed_sgd_param.adagrad.initial_range",
+                0,
+            ),
+            (
+                {"sparse_accessor_class": "DownpourCtrDoubleAccessor",
+                 "embed_sparse_optimizer": "std_adagrad"},
+                "embed_sgd_param.adagrad.initial_range",
+                0.0001,
+            ),
+            ({"sparse_optimizer": "shared_adam"}, "embed_sgd_param.adam.beta1_decay_rate", 0.9),
+            ({}, "table_accessor_save_param[1].param", 2),
+            ({"sparse_embedx_dim": 4}, "fea_dim", 7),
+        ],
+    )  # fmt: skip
+    def test_paddles_fleet_desc_configs(self, config, read, expected):
+        """Paddle's test_fleet_distributed_strategy.test_fleet_desc_configs, case by case."""
+        s = fleetjax.DistributedStrategy()
+        s.fleet_desc_configs = {"emb": config}
+        value = eval(f"table.accessor.{read}", {"table": s.sparse_table_configs[0]})
+        assert value == expected
+        assert s.fleet_desc_configs == s.sparse_table_configs  # Paddle's one getter
+
+    def test_fleet_desc_configs_refuse_what_paddle_does_not_support(self):
+        s = fleetjax.DistributedStrategy()
+        with pytest.raises(ValueError, match=r"\['sparse_lr'\] are not supported"):
+            s.fleet_desc_configs = {"emb": {"sparse_lr": 0.1}}
+        with pytest.raises(ValueError, match=r"sparse_table_class='Dense' is not one of"):
+            s.fleet_desc_configs = {"emb": {"sparse_table_class": "Dense"}}
+        with pytest.raises(ValueError, match=r": sparse_optimizer='sgd' is not one of naive"):
+            s.fleet_desc_configs = {"emb": {"sparse_optimizer": "sgd"}}
+        s.fleet_desc_configs = {"use_cvm": False, "dense_table": {}, "emb": {}}  # as Paddle
+        (table,) = s.sparse_table_configs
+        assert (table.table_name, table.accessor.accessor_class) == ("emb", "SparseAccessor")
 
     def test_unknown_dotted_keys_raise(self):
         s = fleetjax.DistributedStrategy()

@@ -184,6 +184,32 @@ def test_a_flag_xla_flags_already_sets_wins(monkeypatch):
     assert str(applied) == "--xla_gpu_autotune_level=0"
 
 
+def test_a_value_an_earlier_apply_wrote_is_replaced_not_the_users(fresh_fleet, monkeypatch):
+    """Seed 003's FLAGS_fuse_parameter_memory_size=16 sets a first fleet.init's threshold; a
+    later strategy's fuse_grad_size_in_MB=64 wins over the flag, and its XLA flag replaces the
+    one fleetjax wrote: one rule, one warning (no second one saying XLA_FLAGS wins)."""
+    monkeypatch.setattr(xla_flags, "backend_started", lambda: False)  # as in a fresh process
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    monkeypatch.setenv("FLAGS_fuse_parameter_memory_size", "16")
+    fresh_fleet.init()
+    threshold = "--xla_gpu_all_reduce_combine_threshold_bytes={}"
+    assert os.environ["XLA_FLAGS"].endswith(threshold.format(16 * MiB))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fresh_fleet.init(strategy=distributed(fuse_grad_size_in_MB=64))
+    assert [str(w.message) for w in caught] == [
+        "DistributedStrategy.fuse_grad_size_in_MB=64 wins over "
+        "FLAGS_fuse_parameter_memory_size=16 (Paddle's strategy overwrites the flag too)"
+    ]
+    assert caught[0].filename == __file__  # the user's line, not fleetjax's
+    assert os.environ["XLA_FLAGS"] == (
+        f"--xla_force_host_platform_device_count=8 {threshold.format(64 * MiB)}"
+    )
+    monkeypatch.setenv("XLA_FLAGS", threshold.format(8 * MiB))  # the user's: it wins
+    with pytest.warns(fleetjax.StrategyWarning, match=r"XLA_FLAGS sets .*=8388608, which wins"):
+        fresh_fleet.init(strategy=distributed(fuse_grad_size_in_MB=64))
+
+
 def test_defaults_apply_and_warn_nothing():
     with warnings.catch_warnings():
         warnings.simplefilter("error")

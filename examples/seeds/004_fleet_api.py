@@ -1,7 +1,8 @@
 """Seed 004 (the `fleet.Fleet` API): its examples with fleetjax's imports and flax nnx layers in
 place of Paddle's: `init`, the role queries, `barrier_worker`, the parameter-server calls (which
 warn in a process alone and raise in a launched collective job, as Paddle's do),
-`distributed_optimizer`, `distributed_model` with `backward` / `step` / `clear_grad`,
+`distributed_optimizer`, `distributed_model` with Paddle's dygraph loop (`loss =
+loss_fn(dp_layer(inputs), labels); loss.backward(); adam.step(); adam.clear_grad()`, as written),
 `state_dict` / `set_state_dict`, `set_lr` / `get_lr`, `save_inference_model` and
 `save_persistables`. It writes into the working directory, as the
 seed does.
@@ -21,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 import fleetjax.fleet as fleet  # import paddle.distributed.fleet as fleet
-from fleetjax import optimizers
+from fleetjax import nn, optimizers  # import paddle.nn as nn; paddle.optimizer
 
 print("init")
 fleet.init()
@@ -57,6 +58,9 @@ optimizer = optimizers.SGD(learning_rate=0.001)  # paddle.optimizer.SGD(learning
 optimizer = fleet.distributed_optimizer(optimizer, strategy=strategy)
 
 print("distributed_model, step, clear_grad")
+# Seed 004's dygraph example as written, with only its imports (above) and its model changed:
+# paddle.nn -> fleetjax.nn (Paddle's loss layers), nn.Layer -> nnx.Module, and paddle.randn ->
+# numpy.
 
 
 class LinearNet(nnx.Module):  # nn.Layer
@@ -67,6 +71,9 @@ class LinearNet(nnx.Module):  # nn.Layer
     def __call__(self, x):  # forward
         return self._linear2(self._linear1(x))
 
+    def parameters(self):  # nn.Layer.parameters()
+        return nnx.state(self, nnx.Param)
+
 
 # 1. enable dynamic mode: paddle.disable_static(); JAX has one mode
 
@@ -75,14 +82,8 @@ fleet.init(is_collective=True)
 
 # 3. create layer & optimizer
 layer = LinearNet()
-
-
-def loss_fn(model, batch):  # nn.MSELoss() of the layer's outputs: JAX differentiates functions
-    outputs = model(batch["inputs"])
-    return jnp.mean((outputs - batch["labels"]) ** 2)
-
-
-adam = optimizers.Adam(learning_rate=0.001, parameters=nnx.state(layer, nnx.Param))
+loss_fn = nn.MSELoss()
+adam = optimizers.Adam(learning_rate=0.001, parameters=layer.parameters())
 
 # 4. get data_parallel model using fleet
 adam = fleet.distributed_optimizer(adam)
@@ -90,13 +91,15 @@ dp_layer = fleet.distributed_model(layer)
 
 # 5. run layer
 inputs = np.random.randn(10, 10).astype("float32")  # paddle.randn([10, 10], 'float32')
-labels = np.random.randn(10, 1).astype("float32")
-batch = {"inputs": inputs, "labels": labels}
-print("  outputs", dp_layer(inputs).shape)
+outputs = dp_layer(inputs)
+labels = np.random.randn(10, 1).astype("float32")  # paddle.randn([10, 1], 'float32')
+loss = loss_fn(outputs, labels)
 
-adam.backward(loss_fn, batch)  # loss = loss_fn(outputs, labels); loss.backward()
-loss = adam.step()
-print("  loss:", np.asarray(loss))
+print("loss:", loss.numpy())
+
+loss.backward()
+
+adam.step()
 adam.clear_grad()
 
 print("state_dict, set_state_dict")
@@ -146,8 +149,8 @@ fleet.init()
 
 layer = LinearNet()  # build net
 adam = fleet.distributed_optimizer(optimizers.Adam(learning_rate=0.001))
-fleet.distributed_model(layer)
-adam.minimize(loss_fn, batch)
+dp_layer = fleet.distributed_model(layer)
+adam.minimize(loss_fn(dp_layer(inputs), labels))  # a static program's minimize(loss): one step
 
 exe = None  # fluid.Executor(fluid.CPUPlace()): JAX has none (fleetjax warns if one is given)
 
@@ -156,7 +159,14 @@ def predict(model, feeds):  # acc, loss: the outputs, as functions of the model 
     return model(feeds["inputs"])
 
 
-fleet.save_inference_model(exe, "dirname", ["inputs", "labels"], [predict, loss_fn])
+def loss(model, feeds):
+    return loss_fn(model(feeds["inputs"]), feeds["labels"])
+
+
+# The feeds are the named arrays of a batch dict: the model's last training batch gives their
+# shapes, so the loss of this section trains on {"inputs": ..., "labels": ...}.
+adam.minimize(loss, {"inputs": inputs, "labels": labels})
+fleet.save_inference_model(exe, "dirname", ["inputs", "labels"], [predict, loss])
 fleet.save_persistables(exe, "dirname_persistables")
 exported = fleet.load_inference_model("dirname")
 print("  exported model, 3 rows:", [out.shape for out in exported(inputs[:3], labels[:3])])

@@ -153,7 +153,11 @@ def default_memory_budget(device: jax.Device | None = None) -> tuple[int, str]:
 
 
 class Seconds(NamedTuple):
-    """One step's estimated time on one device, by part (see the module docstring)."""
+    """One step's estimated time on one device, by part (see the module docstring).
+
+    `total` assumes no overlap; `overlapped` takes off what the asynchronous collectives can
+    hide behind the computation XLA's schedule places beside them (`hidden`).
+    """
 
     compute: float  # matmul flops / peak flops
     memory: float  # bytes accessed / HBM bandwidth (0 without a memory term)
@@ -161,11 +165,18 @@ class Seconds(NamedTuple):
     network: float  # collective bytes across hosts / network bandwidth
     latency: float  # a latency per collective
     host: float  # bytes to and from pinned host memory / host bandwidth
+    hidden: float = 0.0  # communication the schedule runs beside computation
 
     @property
     def total(self) -> float:
+        """The step with no overlap of communication and computation (an upper bound)."""
         communication = self.links + self.network + self.latency + self.host
         return max(self.compute, self.memory) + communication
+
+    @property
+    def overlapped(self) -> float:
+        """The step with the asynchronous collectives overlapped (a lower bound)."""
+        return self.total - self.hidden
 
 
 class HloCost(NamedTuple):
@@ -182,6 +193,8 @@ class HloCost(NamedTuple):
         `fleetjax.targets.cost_analysis`; 0 where not measured).
       host_bytes: bytes moved between the device and pinned host memory (an offloaded
         optimizer state fetched for the update and written back; 0 without offload).
+      hidden_seconds: the collectives' seconds that XLA's schedule runs beside computation
+        (`fleetjax.hlo.overlap`; 0 where not measured).
     """
 
     matmul_flops: float = 0.0
@@ -191,6 +204,7 @@ class HloCost(NamedTuple):
     network_bytes: float = 0.0
     bytes_accessed: float = 0.0
     host_bytes: float = 0.0
+    hidden_seconds: float = 0.0
 
     def __add__(self, other: tuple) -> HloCost:  # type: ignore[override]
         return HloCost(*(a + b for a, b in zip(self, other, strict=True)))
@@ -208,6 +222,7 @@ class HloCost(NamedTuple):
             self.network_bytes / network,
             self.collectives * device.latency,
             self.host_bytes / device.host_bandwidth if device.host_bandwidth else 0.0,
+            self.hidden_seconds,
         )
 
     def seconds(self, device: DeviceSpec) -> tuple[float, float]:
@@ -277,13 +292,33 @@ def step_cost(
     compiled: jax.stages.Compiled, device: DeviceSpec, mesh: jax.sharding.Mesh
 ) -> HloCost:
     """The `HloCost` of a step compiled over `mesh`, with the bytes its kernels access where
-    `device` has a memory term (XLA's HloCostAnalysis: `fleetjax.targets.cost_analysis`)."""
+    `device` has a memory term (XLA's HloCostAnalysis: `fleetjax.targets.cost_analysis`), and
+    the communication its schedule hides (`hidden_seconds`)."""
     text = compiled.as_text()
     hosts = [d.process_index for d in mesh.devices.flat]
     cost = hlo_cost(text, device, mesh.size, hosts)
+    hidden = hlo.overlap(
+        text,
+        lambda line, shapes: hlo.matmul_flops(line, shapes) / device.peak_flops,
+        lambda c: collective_seconds(c, device, mesh.size, hosts),
+    ).hidden
+    cost = cost._replace(hidden_seconds=hidden)
     if device.hbm_bandwidth is None:
         return cost
     return cost._replace(bytes_accessed=targets.cost_analysis(text).bytes_accessed)
+
+
+def collective_seconds(
+    c: hlo.Collective, device: DeviceSpec, devices: int, hosts: Sequence[int] | None
+) -> float:
+    """`c`'s time under the cost model: a latency (where it sends anything) and its wire bytes
+    over the links within a host and the network across hosts."""
+    wire = wire_bytes(c, devices)
+    if not wire and c.op != "collective-permute":
+        return 0.0
+    share = network_share(c.groups, hosts)
+    network = device.network_bandwidth or device.link_bandwidth
+    return device.latency + wire * (1 - share) / device.link_bandwidth + wire * share / network
 
 
 def model_flops(fn: Any, *args: Any) -> float:

@@ -9,7 +9,8 @@ some parameter is split over ``mp`` (its `PartitionSpec`); ``pp > 1`` only when 
 layout whose train state does not fit, the optimizer state offloaded to pinned host memory
 (``optimize_offload``); on a layout whose state fits but whose step does not, recompute
 (`recompute_configs`, by default the policy ``nothing_saveable`` on the layers marked with
-`fleetjax.recompute`) and in-step gradient merge into 2, 4 or 8 micro-batches.
+`fleetjax.recompute`) and in-step gradient merge into 2, 4 or 8 micro-batches. Under a pipeline
+ZeRO stage 2 is stage 1 (the pipeline reduce-scatters its gradients under either).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from jax.sharding import PartitionSpec
 from fleetjax.mesh import spec_axes
 from fleetjax.step import TrainStep
 from fleetjax.strategy import DistributedStrategy
+from fleetjax.transforms.pipeline import pipeline_schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,18 +77,25 @@ class Layout:
         return self.dp, self.sharding, self.stage, self.mp, self.pp, self.offload
 
     def order(self) -> tuple[int, ...]:
-        """Simplicity: pure data parallelism first, then ZeRO, tensor, pipeline parallel."""
+        """Simplicity: pure data parallelism first, then ZeRO, tensor, pipeline parallel; a
+        pipeline's one-row micro-batches before fewer, bigger ones (less bubble and less in
+        flight: what most often fits and wins, so that it bounds the others early)."""
         zero = (self.sharding > 1, self.stage, self.sharding, self.offload)
-        return (self.pp, self.mp, *zero, self.vpp, self.recompute, self.micro_batches)
+        micro = -self.micro_batches if self.pp > 1 else self.micro_batches
+        return (self.pp, self.mp, *zero, self.vpp, self.recompute, micro)
 
     def dominates(self, other: Layout) -> bool:
         """Whether `other` takes at least as long, so that once `self` fits `other` is skipped:
-        ZeRO takes as long as pure data parallelism over the same devices or longer, and more
+        ZeRO takes as long as pure data parallelism over the same devices or longer, ZeRO-3
+        (which gathers the parameters where they are used) as long as ZeRO-2 over the same
+        `sharding` or longer (under a pipeline, as ZeRO-1, which is its ZeRO-2), and more
         memory savers (offload among them) as long as fewer or longer."""
         split_alike = (self.pp, self.mp, self.replicas, self.vpp)
         if self == other or split_alike != (other.pp, other.mp, other.replicas, other.vpp):
             return False
-        zero = self.sharding == 1 or (self.sharding, self.stage) == (other.sharding, other.stage)
+        gathers = other.stage == 3 and self.stage in ((1, 2) if self.pp > 1 else (2,))
+        same_zero = (self.sharding, self.stage) == (other.sharding, other.stage)
+        zero = self.sharding == 1 or same_zero or (self.sharding == other.sharding and gathers)
         if self.pp > 1:  # a pipeline's micro-batches trade bubble for latency: not ordered
             micro = self.micro_batches == other.micro_batches
         else:
@@ -242,8 +251,11 @@ def all_layouts(
 
 def _variants(layout: Layout, per_replica: int, pipeline_layers: int | None) -> list[Layout]:
     """`layout` with each ZeRO stage over `sharding`, and a pipeline's micro-batches and
-    virtual stages."""
+    virtual stages. A pipeline reduce-scatters the gradients it accumulates under any ZeRO
+    stage, so its stage 2 is its stage 1 and is not listed twice."""
     stages = (1, 2, 3) if layout.sharding > 1 else (0,)
+    if layout.pp > 1 and layout.sharding > 1:
+        stages = (1, 3)
     pipe = [(1, 1)]
     if layout.pp > 1:
         vpps = [1, 2] if pipeline_layers % (2 * layout.pp) == 0 else [1]
@@ -268,17 +280,30 @@ def split(layout: Layout) -> tuple[int, ...]:
     )
 
 
-def activations_scale(seen: Layout, other: Layout) -> float | None:
+def activations_scale(seen: Layout, other: Layout, rows: int) -> float | None:
     """How `other`'s activations compare with those of `seen` (a compiled layout), or None if
     they are not comparable: layouts that split the rows, mp and pp alike, with the same
     recompute, hold the same activations per micro-batch, so in-step micro-batching into k
-    divides them by k (a pipeline's micro-batches change what it keeps in flight instead)."""
-    alike = (seen.replicas, seen.mp, seen.pp, seen.vpp, seen.recompute)
-    if alike != (other.replicas, other.mp, other.pp, other.vpp, other.recompute):
+    divides them by k. A pipeline keeps its micro-batches in flight: pipelines that split mp
+    and pp alike (with the same virtual stages and recompute) keep as many rows as their
+    micro-batches in flight (at most 2 pp - 1 under 1F1B) times the rows in each."""
+    model = (seen.mp, seen.pp, seen.vpp, seen.recompute)
+    if model != (other.mp, other.pp, other.vpp, other.recompute):
         return None
     if seen.pp > 1:
-        return 1.0 if seen.micro_batches == other.micro_batches else None
+        return _rows_in_flight(other, rows) / _rows_in_flight(seen, rows)
+    if seen.replicas != other.replicas:
+        return None
     return seen.micro_batches / other.micro_batches
+
+
+def _rows_in_flight(layout: Layout, rows: int) -> float:
+    """The rows a pipeline layout's first stage keeps in flight: its schedule's micro-batches
+    in flight there, times the rows in each."""
+    mode = "VPP" if layout.vpp > 1 else "1F1B"
+    schedule = pipeline_schedule(mode, layout.pp, layout.micro_batches, layout.vpp)
+    per_micro_batch = rows / (layout.replicas * layout.micro_batches)
+    return float(schedule.in_flight.max()) / layout.vpp * per_micro_batch
 
 
 def savers(layout: Layout, rows: int) -> list[Layout]:

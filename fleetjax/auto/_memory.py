@@ -5,7 +5,9 @@ Before compiling a candidate the search adds up, from the `Placement` of its abs
 
 * the train state on the device: parameters, optimizer state (not under optimizer offload,
   which keeps it in pinned host memory) and the rest, each as its placement splits it;
-* the reduced gradients, as their placement splits them (ZeRO-2 and 3: over `sharding`).
+* the reduced gradients, as their placement splits them (ZeRO-2 and 3: over `sharding`); a
+  pipeline accumulates its stage's whole gradients before it reduces them, so under a pipeline
+  they count whole over the data axes.
 
 Both are live together when the optimizer update starts, so a candidate whose formula is over
 the budget cannot fit and is not compiled. Activations and the parameters ZeRO-3 gathers for a
@@ -18,8 +20,16 @@ import math
 from typing import Any, NamedTuple
 
 import jax
+from jax.sharding import NamedSharding
 
+from fleetjax.mesh import data_axes, restrict
 from fleetjax.step import TrainStep
+
+
+def _model_axes(mesh: jax.sharding.Mesh) -> tuple[str, ...]:
+    """The mesh axes that split the model (all but the data axes)."""
+    return tuple(a for a in mesh.axis_names if a not in data_axes(mesh))
+
 
 __all__ = ["Formula", "compiled_bytes", "device_bytes", "formula"]
 
@@ -62,6 +72,9 @@ def formula(step: TrainStep) -> Formula:
     everything = device_bytes(state, placement.state)
     host = device_bytes(state.opt_state, placement.opt_state) if plan.optimizer_offload else 0
     grads_at = placement.grads if placement.grads is not None else placement.params
+    if plan.pipeline is not None:  # whole over the data axes until the pipeline reduces them
+        whole = lambda s: NamedSharding(s.mesh, restrict(s.spec, _model_axes(s.mesh)))  # noqa: E731
+        grads_at = jax.tree.map(whole, placement.params)
     return Formula(everything - host, host, device_bytes(state.params, grads_at))
 
 

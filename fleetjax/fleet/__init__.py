@@ -7,6 +7,7 @@ The module-level functions are bound to one `Fleet` instance, as in Paddle. `fle
 from typing import Any
 
 from fleetjax.fleet import auto, base, role_maker, utils
+from fleetjax.fleet._dygraph import DeferredLoss, DistributedModel, ModelOutput
 from fleetjax.fleet._fleet import Fleet, FleetOptimizer
 from fleetjax.fleet._trainer import Trainer
 from fleetjax.fleet.base.util_factory import UtilBase
@@ -64,11 +65,14 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "BuildStrategy",
+    "DeferredLoss",
+    "DistributedModel",
     "DistributedStrategy",
     "ExecutionStrategy",
     "Fleet",
     "FleetOptimizer",
     "JaxProcessRoleMaker",
+    "ModelOutput",
     "PaddleCloudRoleMaker",
     "Role",
     "RoleMakerBase",

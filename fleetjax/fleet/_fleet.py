@@ -19,6 +19,7 @@ from fleetjax._applied import AppliedStrategy, applied_strategy
 from fleetjax._warnings import warn_once
 from fleetjax.distributed_model import distributed_model
 from fleetjax.distributed_optimizer import DistributedOptimizer, distributed_optimizer
+from fleetjax.fleet._dygraph import DeferredLoss, DistributedModel, Dygraph, not_a_loss
 from fleetjax.fleet._join import default_role_maker, job_mesh, join_processes
 from fleetjax.fleet._ps import non_distributed, runtime_call
 from fleetjax.fleet._trainer import Trainer, learning_rate
@@ -47,10 +48,12 @@ class FleetOptimizer(DistributedOptimizer):
     `make_train_step` or a `Trainer` as any other) with Paddle's dygraph optimizer calls,
     which act on the fleet's `Trainer` as `fleet.minimize`, `fleet.step`, ... do.
 
-    Paddle's `loss.backward(); opt.step(); opt.clear_grad()` is `opt.backward(loss_fn, batch);
-    opt.step(); opt.clear_grad()`: JAX has no tape, so the loss is a function of the model and
-    the batch. An optimizer that a later `fleet.distributed_optimizer` call replaced refuses
-    these calls.
+    Paddle's `loss = loss_layer(dp_model(x), y); loss.backward(); opt.step(); opt.clear_grad()`
+    runs as written with a `fleetjax.nn` loss layer (the loss is deferred: see
+    `fleet.distributed_model`), and so does `opt.minimize(loss)`; for any other loss,
+    `opt.backward(loss_fn, batch)` and `opt.minimize(loss_fn, batch)` take it as a function of
+    the model and the batch. An optimizer that a later `fleet.distributed_optimizer` call
+    replaced refuses these calls.
 
     Attributes:
       fleet: the `Fleet` that made it.
@@ -66,15 +69,15 @@ class FleetOptimizer(DistributedOptimizer):
             )
         return self.fleet
 
-    def minimize(self, loss_fn: Callable[..., Any], batch: Any) -> jax.Array:
-        """Paddle's `opt.minimize(loss)`: one step on `batch`; returns the loss
-        (`fleet.minimize`)."""
-        return self._bound().minimize(loss_fn, batch)
+    def minimize(self, loss: DeferredLoss | Callable[..., Any], batch: Any = None) -> jax.Array:
+        """Paddle's `opt.minimize(loss)` of a deferred loss, or `minimize(loss_fn, batch)`: one
+        step; returns the loss (`fleet.minimize`)."""
+        return self._bound().minimize(loss, batch)
 
-    def backward(self, loss_fn: Callable[..., Any], batch: Any) -> None:
-        """Paddle's `loss.backward()` (`opt.backward(loss)`): `step()` applies the gradients of
-        `loss_fn` on `batch` (`fleet.backward`)."""
-        self._bound().backward(loss_fn, batch)
+    def backward(self, loss: DeferredLoss | Callable[..., Any], batch: Any = None) -> None:
+        """Paddle's `loss.backward()` as `opt.backward(loss)` of a deferred loss, or
+        `opt.backward(loss_fn, batch)`: `step()` applies its gradients (`fleet.backward`)."""
+        self._bound().backward(loss, batch)
 
     def step(self) -> jax.Array:
         """Paddle's `opt.step()`: apply the gradients `backward` asked for; returns the loss."""
@@ -129,6 +132,7 @@ class Fleet:
         self._param_specs: Any = None
         self._optimizer: FleetOptimizer | None = None  # from distributed_optimizer
         self._trainer: Trainer | None = None
+        self._dygraph: Dygraph | None = None  # the distributed nnx model's dygraph loop
         # Before the Trainer: what set_lr / set_state_dict gave, and the last batch's shapes.
         self._pending_lr: float | None = None
         self._pending_state: Mapping[str, Any] | None = None
@@ -151,8 +155,8 @@ class Fleet:
         backend; flags that come later only warn. docs/knobs.md lists the `FLAGS_*` read.
 
         Args:
-          role_maker: default `PaddleCloudRoleMaker()` (reads the `PADDLE_*` variables), or,
-            without them, `JaxProcessRoleMaker()` if the script already called
+          role_maker: default `PaddleCloudRoleMaker(is_collective=True)` (reads the `PADDLE_*`
+            variables), or, without them, `JaxProcessRoleMaker()` if the script already called
             `jax.distributed.initialize()` or JAX's cluster detection finds a job of several
             processes (SLURM, Open MPI, Kubernetes), which `init` then joins; in
             parameter-server mode `PaddleCloudRoleMaker(is_collective=False)` (Paddle's
@@ -199,6 +203,7 @@ class Fleet:
         self._mesh = None if server else job_mesh(plan)
         self._role, self._strategy = role_maker, strategy.__copy__()
         self._model = self._param_specs = self._optimizer = self._trainer = None
+        self._replace_dygraph(None)
         self._pending_lr = self._pending_state = self._batch_spec = None
         if server:
             index, count = role_maker._server_index(), role_maker._server_num()
@@ -264,17 +269,29 @@ class Fleet:
 
     def distributed_model(self, model: Any, *, param_specs: Any = None) -> Any:
         """`model` placed on the fleet's mesh as a train step under the fleet's strategy
-        places it (Paddle's `distributed_model`).
+        places it (Paddle's `distributed_model`); `minimize` and `backward` train it.
 
-        A flax nnx Module comes back as the same object, its variables placed and, under a
-        `DistributedStrategy`, its BatchNorms computing statistics as `sync_batch_norm` says;
-        flax linen variables and pytrees of arrays come back placed (`param_specs` overrides
-        their logical axis names). `minimize` and `backward` train this model.
+        A flax nnx Module is placed in place (under a `DistributedStrategy` its BatchNorms
+        compute statistics as `sync_batch_norm` says) and comes back wrapped, as Paddle's
+        comes back as a `DataParallel`: a `DistributedModel`, whose call gives a deferred
+        output for Paddle's loss layers (`fleetjax.nn`), so that Paddle's dygraph loop runs as
+        written; its other attributes are the module's, and `.module` is the module itself.
+        Flax linen variables and pytrees of arrays come back placed (`param_specs` overrides
+        their logical axis names).
         """
         self._checked_role()
         self._model = distributed_model(model, self.strategy, self.mesh, param_specs=param_specs)
         self._param_specs, self._trainer = param_specs, None
-        return self._model
+        if not isinstance(self._model, nnx.Module):
+            self._replace_dygraph(None)
+            return self._model
+        self._replace_dygraph(Dygraph(self, self._model))
+        return DistributedModel(self._model, self._dygraph)
+
+    def _replace_dygraph(self, dygraph: Dygraph | None) -> None:
+        if self._dygraph is not None:
+            self._dygraph.close()
+        self._dygraph = dygraph
 
     def applied_strategy(self) -> AppliedStrategy:
         """What the fleet's strategy does on its mesh: the train step's plan, the optimizer's
@@ -299,7 +316,7 @@ class Fleet:
     def _trainer_for(self, loss_fn: Callable[..., Any]) -> Trainer:
         """The fleet's Trainer for `loss_fn`; another loss function gets a new one that goes on
         from the current state."""
-        if self._trainer is not None and self._trainer.loss_fn is loss_fn:
+        if self._trainer is not None and self._trainer.loss_fn == loss_fn:
             return self._trainer
         self._checked_role()
         if self._model is None:
@@ -330,26 +347,41 @@ class Fleet:
         from it."""
         self._batch_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
 
-    def minimize(self, loss_fn: Callable[..., Any], batch: Any) -> jax.Array:
-        """One training step of the model from `distributed_model` on `batch`, with the
-        optimizer from `distributed_optimizer`; returns the loss. See `Trainer.minimize`.
+    def minimize(self, loss: DeferredLoss | Callable[..., Any], batch: Any = None) -> jax.Array:
+        """One training step of the model from `distributed_model`, with the optimizer from
+        `distributed_optimizer`; returns the loss. See `Trainer.minimize`.
 
-        `loss_fn(model, batch)` for an nnx Module, else `loss_fn(params, batch)`; pass the same
-        function every call (another one compiles another step). For aux outputs or a PRNG
-        key, make a `fleetjax.fleet.Trainer`."""
-        loss = self._trainer_for(loss_fn).minimize(batch)
+        `loss` is a deferred loss (Paddle's `minimize(loss)`: it applies the gradients of
+        `loss.backward()`, or computes them first if there was none, as Paddle's static-graph
+        minimize does), or a function with its `batch`: `loss_fn(model, batch)` for an nnx
+        Module, else `loss_fn(params, batch)`; pass the same function every call (another one
+        compiles another step). For aux outputs or a PRNG key, make a `fleetjax.fleet.Trainer`.
+        """
+        if isinstance(loss, DeferredLoss) and batch is None:
+            return loss.runner.minimize(loss)
+        value = self._trainer_for(_loss_function(loss, batch, "minimize")).minimize(batch)
         self._note_batch(batch)
-        return loss
+        self._note_step(value)
+        return value
 
-    def backward(self, loss_fn: Callable[..., Any], batch: Any) -> None:
-        """Paddle's `loss.backward()`: `step()` applies the gradients of `loss_fn` on `batch`.
-        See `Trainer.backward`."""
-        self._trainer_for(loss_fn).backward(batch)
+    def backward(self, loss: DeferredLoss | Callable[..., Any], batch: Any = None) -> None:
+        """Paddle's `loss.backward()`: `step()` applies the gradients of the deferred `loss`,
+        or of `loss_fn` on `batch`. See `Trainer.backward`."""
+        if isinstance(loss, DeferredLoss) and batch is None:
+            loss.backward()
+            return
+        self._trainer_for(_loss_function(loss, batch, "backward")).backward(batch)
         self._note_batch(batch)
 
     def step(self) -> jax.Array:
         """Apply the gradients `backward` asked for; returns the loss. See `Trainer.step`."""
-        return self.trainer.step()
+        value = self.trainer.step()
+        self._note_step(value)
+        return value
+
+    def _note_step(self, value: jax.Array) -> None:
+        if self._dygraph is not None:
+            self._dygraph.stepped(value)
 
     def clear_grad(self) -> None:
         """Drop the gradients of the last `backward` (none before training). See
@@ -541,7 +573,7 @@ class Fleet:
         nothing, as Paddle's does. `mode` (Paddle's configs: 0 the whole tables, 1 their
         changed rows, 2 a base model) warns unless 0: the whole state is saved.
         """
-        if non_distributed(self._checked_role(), "save", stacklevel=3):
+        if non_distributed(self._checked_role(), "save"):
             return
         unknown = set(configs) - {"mode"}
         if unknown:
@@ -559,7 +591,7 @@ class Fleet:
         nothing, as Paddle's does. `mode` (Paddle's 0 checkpoint, 3 batch model, 1 and 2 its
         inference formats) warns unless 0: the whole state loads.
         """
-        if non_distributed(self._checked_role(), "load_model", stacklevel=3):
+        if non_distributed(self._checked_role(), "load_model"):
             return
         if mode != 0:
             warn_once(_WHOLE_STATE.format("load_model", mode))
@@ -598,6 +630,21 @@ class Fleet:
     def stop_worker(self) -> None:
         """A trainer's end in parameter-server mode: logs and returns."""
         runtime_call(self._checked_role(), "stop_worker")
+
+
+def _loss_function(loss: Any, batch: Any, call: str) -> Callable[..., Any]:
+    """`loss` if it is a loss function given with its batch, else the error that says why not."""
+    if isinstance(loss, DeferredLoss):
+        raise TypeError(
+            f"{call}(loss) of a deferred loss takes no batch: its arrays are in the loss already"
+        )
+    if not callable(loss):
+        raise not_a_loss(loss, f"{call}()")
+    if batch is None:
+        raise TypeError(
+            f"{call}(loss_fn, batch) needs the batch: the step calls loss_fn(model, batch)"
+        )
+    return loss
 
 
 def _no_meaning(call: str, **arguments: Any) -> None:

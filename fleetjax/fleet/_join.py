@@ -68,7 +68,7 @@ def _detected_cluster() -> type | None:
         except Exception as e:  # Kubernetes without a service account, ...
             raise RuntimeError(
                 f"JAX's cluster detection failed in {env.__name__}: {e}. For a single process, "
-                "pass role_maker=fleet.PaddleCloudRoleMaker() to fleet.init()."
+                "pass role_maker=fleet.PaddleCloudRoleMaker(is_collective=True) to fleet.init()."
             ) from e
     return None
 
@@ -123,10 +123,10 @@ def default_role_maker() -> RoleMakerBase:
       RuntimeError: if the scheduler's variables promise several tasks that cannot be joined.
     """
     if "PADDLE_TRAINER_ENDPOINTS" in os.environ:
-        return PaddleCloudRoleMaker()
+        return PaddleCloudRoleMaker(is_collective=True)
     if jax.distributed.is_initialized() or _join_detected_cluster():
         return JaxProcessRoleMaker()
-    return PaddleCloudRoleMaker()
+    return PaddleCloudRoleMaker(is_collective=True)
 
 
 def _report_and_exit(

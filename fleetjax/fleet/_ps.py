@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import warnings
 
-from fleetjax._warnings import warn_once
+from fleetjax._warnings import user_stacklevel, warn_once
 from fleetjax.fleet.base.role_maker import Role, RoleMakerBase
 
 logger = logging.getLogger("fleetjax")
@@ -41,14 +41,14 @@ class ParameterServerCallError(NotImplementedError, ValueError):
     suitable runtime handler"), also a NotImplementedError."""
 
 
-def non_distributed(role: RoleMakerBase, name: str, stacklevel: int = 4) -> bool:
+def non_distributed(role: RoleMakerBase, name: str) -> bool:
     """Paddle's `is_non_distributed_check`: whether this process is alone (no launcher
     described a job), in which case Paddle's runtime and saving call `name` warns and does
     nothing, in either mode."""
     if not getattr(role, "_is_non_distributed", lambda: False)():
         return False
     message = f"{name}() function doesn't work when use non_distributed fleet."
-    warnings.warn(message, stacklevel=stacklevel)
+    warnings.warn(message, stacklevel=user_stacklevel())
     return True
 
 

@@ -25,6 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from fleetjax.distributed_optimizer import DistributedOptimizer
+from fleetjax.fleet._dygraph import DistributedModel
 from fleetjax.layers import is_table, partition_specs
 from fleetjax.optimizers import get_lr, param_names, set_lr
 from fleetjax.step import TrainStep, make_train_step
@@ -79,7 +80,8 @@ class Trainer:
             `make_train_step` takes it.
           model: a flax nnx Module (its `nnx.Param`s are trained; its other variables, such
             as BatchNorm statistics, are the step's `model_state`, carried from one step to
-            the next), or a pytree of parameters (`PipelineParams` under a pipeline).
+            the next; a `DistributedModel` trains its module), or a pytree of parameters
+            (`PipelineParams` under a pipeline).
           optimizer: one from `fleet.distributed_optimizer`, or any optax transformation.
           strategy, mesh: as `make_train_step` takes them (default: the optimizer's).
           has_aux, has_rng, param_specs: as `make_train_step` takes them; an nnx Module's
@@ -89,6 +91,7 @@ class Trainer:
             Trainer or a checkpoint); the model's parameters are then not used.
         """
         self.loss_fn = loss_fn
+        model = model.module if isinstance(model, DistributedModel) else model
         self._module = model if isinstance(model, nnx.Module) else None
         step_loss, params, model_state, state_specs = loss_fn, model, None, None
         if self._module is not None:

@@ -8,6 +8,7 @@ import jax
 from jax.sharding import Mesh
 
 from fleetjax._schema import DEFAULT_ORDER
+from fleetjax._warnings import warn_once
 from fleetjax.mesh import AXES, build_mesh, check_order
 from fleetjax.plan._values import Degrees, Plan
 from fleetjax.strategy import DistributedStrategy, Strategy
@@ -81,7 +82,20 @@ def strategy_order(strategy: DistributedStrategy | Strategy) -> tuple[str, ...]:
 
 
 def mesh_for(plan: Plan, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The mesh `plan` asks for, over `devices` (default: all, grouped by process)."""
+    """The mesh `plan` asks for, over `devices` (default: all, grouped by process). A pipeline
+    of one stage (the pp degree left at 1) warns once, naming the field that sets it."""
+    if plan.pipeline is not None and plan.degrees.pp == 1:
+        field = (
+            "Strategy.pipeline.pp_degree"
+            if plan.strategy == "Strategy"
+            else 'DistributedStrategy.hybrid_configs["pp_degree"]'
+        )
+        warn_once(
+            f"the strategy turns the pipeline on, but {field} is 1 (not set): the pipeline has "
+            "one stage, so it only cuts the batch into micro-batches. Set pp_degree to the "
+            "number of stages, or pass a mesh with a pp axis (Paddle's auto-parallel takes "
+            "the stages from the model's process meshes)"
+        )
     return build_mesh(*plan.degrees, order=plan.order, devices=devices)
 
 

@@ -197,22 +197,7 @@ def noted_fields(message: Message, prefix: str = "") -> Iterator[tuple[str, str,
             yield from noted_fields(value, path + ".")
         elif f.is_message and f.repeated:
             for i, element in enumerate(value):
-                yield from _noted_values(f.type, element, f"{path}[{i}].")
-
-
-def _noted_values(spec: Any, values: dict[str, Any], prefix: str) -> Iterator[tuple[str, str, Any]]:
-    """`noted_fields` of an element of a repeated message (a dict of the values set)."""
-    for f in spec.fields:
-        if f.name not in values:
-            continue
-        path, value = prefix + f.name, values[f.name]
-        if f.note and value != f.default:
-            yield path, f.note, value
-        elif f.is_message and not f.repeated:
-            yield from _noted_values(f.type, value, path + ".")
-        elif f.is_message:
-            for i, element in enumerate(value):
-                yield from _noted_values(f.type, element, f"{path}[{i}].")
+                yield from noted_fields(element, f"{path}[{i}].")
 
 
 def no_effect(strategy: DistributedStrategy | Strategy) -> tuple[NoEffect, ...]:

@@ -352,6 +352,11 @@ def _sharding(s: DistributedStrategy) -> tuple[int, bool]:
 
 
 def _auto_parallel_plan(s: Strategy) -> Plan:
+    if s.qat.enable:
+        raise NotImplementedError(
+            "Strategy.qat.enable=True: quantization-aware training is not in fleetjax; turn "
+            "it off to train without it"
+        )
     merge, recompute, pipe = s.gradient_merge, s.recompute, s.pipeline
     return Plan(
         strategy="Strategy",

@@ -20,15 +20,18 @@ See docs/gpu_targets.md.
 """
 
 from fleetjax.targets._cost import Cost, cost_analysis
+from fleetjax.targets._formula import Megatron
 from fleetjax.targets._gpus import TARGETS, GpuSpec, Target, get, of
-from fleetjax.targets._topology import devices, mesh, plugin_installed
+from fleetjax.targets._topology import cudnn_version, devices, mesh, plugin_installed
 
 __all__ = [
     "TARGETS",
     "Cost",
     "GpuSpec",
+    "Megatron",
     "Target",
     "cost_analysis",
+    "cudnn_version",
     "devices",
     "get",
     "mesh",

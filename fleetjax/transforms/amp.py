@@ -26,6 +26,7 @@ import jax
 import jax.extend as jex
 import jax.numpy as jnp
 from jax import lax
+from jax.extend.core.primitives import remat_p
 
 PADDLE_OPS: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(
@@ -278,7 +279,7 @@ class _Interpreter:
         if name in _CALLS:
             closed = params["jaxpr"]
             return self.run(closed.jaxpr, closed.consts, ins)
-        if name == "checkpoint":
+        if eqn.primitive is remat_p:  # jax.checkpoint (named "remat2" in recent JAX)
             fn = jax.checkpoint(
                 lambda *a: self.run(params["jaxpr"], (), a),
                 prevent_cse=params["prevent_cse"],

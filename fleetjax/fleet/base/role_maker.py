@@ -395,10 +395,8 @@ class PaddleCloudRoleMaker(_EndpointRoleMaker):
     for several, unless `JAX_COORDINATOR_ADDRESS` is set). Without
     `PADDLE_PSERVERS_IP_PORT_LIST` the process is one non-distributed trainer, as in Paddle.
 
-    Unlike Paddle, `is_collective` defaults to True.
-
     Args:
-      is_collective: collective (True) or parameter-server (False) mode.
+      is_collective: collective (True) or parameter-server (False, Paddle's default) mode.
       environ: the environment to read; default `os.environ` at construction time.
       init_gloo: Paddle's switch for its Gloo collectives; JAX brings its own CPU collectives
         (Gloo), so there is nothing to set up.
@@ -409,7 +407,7 @@ class PaddleCloudRoleMaker(_EndpointRoleMaker):
 
     def __init__(
         self,
-        is_collective: bool = True,
+        is_collective: bool = False,
         environ: Mapping[str, str] | None = None,
         *,
         init_gloo: bool = False,

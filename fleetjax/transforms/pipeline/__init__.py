@@ -14,17 +14,22 @@ its backward reads them. Under 1F1B the buffer is a ring of 2 P - 1 slots whatev
 (Paddle's MPMD 1F1B holds P: here a hop between stages costs a whole tick), so activation memory
 does not grow with the number of micro-batches; under FThenB it holds all m.
 
-The other mesh axes (``dp``, ``sharding``, ``mp``) stay with the compiler. The model runs under
-a `vmap` over the data-parallel replicas, so each replica accumulates its own gradients and the
-reduction over the data axes happens once, after the pipeline's loop (by a `reducer` such as
-`fp16_allreduce`'s half-precision all-reduce, if one is given).
+The `shard_map` is also over the data axes (``dp``, ``sharding``): each device runs its own
+replica's micro-batches and accumulates its own gradients, which are reduced over the data axes
+once, after the pipeline's loop, by a `reducer` (an all-reduce; a reduce-scatter under ZeRO;
+`fp16_allreduce`'s half-precision all-reduce). ``mp`` stays with the compiler. The loop is cut
+into a warm-up, a steady state and a cool-down, so a tick sends only what some stage needs.
+Parameters that the model converts to half precision (AMP) before every use are converted once
+per step, and the kept residuals of a recomputed stage are its layers' inputs alone.
 
 The parts, each a module: `_model` (`PipelineParams`, `PipelineLayer`, the parts' keys and the
 layers' order), `_layers` (Paddle's `LayerDesc` list form of a `PipelineLayer`), `schedules`
 (the schedule tables and `SCHEDULE_MODES`, Paddle's spellings of them), `_timetable` (a
-schedule made executable: the buffer slot of every value kept across ticks), `_program` (the
-`shard_map` and the per-stage program, a tick's forward half and its backward half). This
-module checks the arguments and runs the program, on Auto axes.
+schedule made executable: the buffer slot of every value kept across ticks, and its segments),
+`_program` (the `shard_map`), `_layout` (its axes and specs), `_shapes` (what it is built
+for), `_casts` (weights cast once per step), `_stage` (the per-stage program: a tick's forward
+half and its backward half), `_chunk` (a chunk's layers forward and backward), `_values`
+(buffers and sums). This module checks the arguments and runs the program, on Auto axes.
 """
 
 from __future__ import annotations
@@ -85,6 +90,8 @@ def pipeline(
     has_rng: bool = False,
     has_state: bool = False,
     reducer: Reducer | None = None,
+    param_specs: PipelineParams | None = None,
+    grad_specs: PipelineParams | None = None,
 ) -> Callable[..., tuple[Any, PipelineParams]]:
     """The loss and gradients of a layered model, pipelined over the mesh axis ``pp``.
 
@@ -121,9 +128,14 @@ def pipeline(
         averages its micro-batches') and the others are the last micro-batch's.
       reducer: how each data-parallel replica's gradients (the mean over its micro-batches)
         are reduced over the data axes, e.g. `grad_allreduce.mean_in(jnp.float16)` for
-        Paddle's `fp16_allreduce`; it runs at the end of each stage's program, inside a
-        `shard_map` over the data axes. Default: the sum over the replicas after the pipeline,
-        which XLA all-reduces in the gradients' dtype.
+        Paddle's `fp16_allreduce` or `grad_allreduce.scatter_mean(specs)` for ZeRO; it runs at
+        the end of each stage's program, inside the `shard_map`. Default: their mean
+        (`grad_allreduce.mean_in(jnp.float32)`, an all-reduce).
+      param_specs: where the parameters are (`PartitionSpec`s, or a prefix of them, in a
+        `PipelineParams`); default whole on the data axes and the layers split over ``pp``.
+        A parameter split over a data axis (ZeRO-3) is gathered in each tick that runs it.
+      grad_specs: where the reducer leaves the gradients (as `param_specs`): split over
+        ``sharding`` where it reduce-scatters them; default whole on the data axes.
 
     Returns:
       ``value_and_grad(params, batch[, key], *, loss_scale=None) -> (loss, grads)`` for a
@@ -153,7 +165,7 @@ def pipeline(
     schedule = pipeline_schedule(schedule_mode, mesh.shape[AXIS], accumulate_steps, vpp_degree)
     flags = {"has_aux": has_aux, "has_rng": has_rng, "has_state": has_state}
     model = ModelFunctions.of(embed, stage, head_loss, **flags)
-    run = program(model, schedule, mesh, size, reducer)
+    run = program(model, schedule, mesh, size, reducer, param_specs, grad_specs)
 
     def value_and_grad(
         params: PipelineParams, *args: Any, loss_scale: jax.Array | None = None

@@ -44,13 +44,29 @@ class _Slots:
         heapq.heappush(self._free, slot)
 
 
+class Segment(NamedTuple):
+    """Consecutive ticks [start, stop) that run the same kinds of work: forwards (on some
+    stage), backwards, or both; and whether any of its ticks sends an activation on, or a
+    cotangent back. The program compiles one loop per segment, so the warm-up runs no backward
+    and sends no cotangent, and the cool-down runs no forward and sends no activation."""
+
+    start: int
+    stop: int
+    forward: bool
+    backward: bool
+    send_forward: bool
+    send_backward: bool
+
+
 class Timetable(NamedTuple):
-    """A schedule made executable: the table [ticks, stages, COLUMNS] and the buffers' sizes."""
+    """A schedule made executable: the table [ticks, stages, COLUMNS], the buffers' sizes and
+    the ticks' segments."""
 
     table: np.ndarray
     residual_slots: int  # vjp residuals of forwards whose backward has not run
     activation_slots: int  # activations received and not yet consumed, and a trash slot
     cotangent_slots: int  # cotangents received (or made by the head) not yet consumed, + trash
+    segments: tuple[Segment, ...]
 
 
 def timetable(schedule: PipelineSchedule) -> Timetable:
@@ -110,4 +126,21 @@ def timetable(schedule: PipelineSchedule) -> Timetable:
     ):
         for c in columns:
             table[..., c] = np.where(table[..., c] == trash, slot, table[..., c])
-    return Timetable(table, sizes[0], sizes[1] + 1, sizes[2] + 1)
+    return Timetable(table, sizes[0], sizes[1] + 1, sizes[2] + 1, segments(schedule))
+
+
+def segments(schedule: PipelineSchedule) -> tuple[Segment, ...]:
+    """The schedule's ticks cut into `Segment`s: runs of ticks with forwards only, both, or
+    backwards only."""
+    stages, last = schedule.stages, schedule.stages * schedule.virtual_stages - 1
+    position = np.arange(stages)
+    forward, backward = schedule.forward >= 0, schedule.backward >= 0
+    sends_on = forward & (schedule.forward_chunk * stages + position < last)
+    sends_back = backward & (schedule.backward_chunk * stages + position > 0)
+    work = np.stack([forward.any(axis=1), backward.any(axis=1)], axis=1)
+    cuts = [0, *(t for t in range(1, schedule.ticks) if (work[t] != work[t - 1]).any())]
+    bounds = zip(cuts, [*cuts[1:], schedule.ticks], strict=True)
+    return tuple(
+        Segment(a, b, *map(bool, work[a]), bool(sends_on[a:b].any()), bool(sends_back[a:b].any()))
+        for a, b in bounds
+    )

@@ -1,0 +1,363 @@
+"""One pipeline stage's program, the body of the pipeline's `shard_map`: its buffers and sums
+from tick to tick (`Carry`), and `Stage`: `start`, a `tick` per row of the timetable (the
+forward half, the backward half, the sends), then `results` (the reduced gradients, the new
+model states, the loss and metrics)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from fleetjax.mesh import constrain, spec_axes
+from fleetjax.transforms.grad_allreduce import Reducer
+from fleetjax.transforms.pipeline._casts import cast
+from fleetjax.transforms.pipeline._chunk import Chunk
+from fleetjax.transforms.pipeline._layout import AXIS, WHOLE, Layout, is_spec, is_split
+from fleetjax.transforms.pipeline._model import ModelFunctions, PipelineParams, part_keys
+from fleetjax.transforms.pipeline._shapes import F32, Shapes, cast_shapes
+from fleetjax.transforms.pipeline._timetable import (
+    B_CHUNK,
+    B_COT,
+    B_MICRO,
+    B_RES,
+    F_ACT,
+    F_CHUNK,
+    F_DY,
+    F_MICRO,
+    F_RES,
+    RECV_ACT,
+    RECV_COT,
+    Segment,
+    Timetable,
+)
+from fleetjax.transforms.pipeline._values import (
+    added,
+    kept_states,
+    merged,
+    psum,
+    put,
+    put_where,
+    take,
+    zeros,
+)
+from fleetjax.transforms.pipeline.schedules import PipelineSchedule
+
+
+class Carry(NamedTuple):
+    """What a stage carries from tick to tick: its buffers and its sums so far."""
+
+    residuals: Any  # [residual slots, layers per chunk, ...]: of forwards not yet run back
+    activations: Any  # [activation slots, ...]: received and not yet consumed
+    cotangents: Any  # [cotangent slots, ...]: received (or made by the head)
+    g_layers: Any  # [chunks, layers per chunk, ...], in the parameters' dtypes
+    g_embed: Any
+    g_head: Any
+    loss: jax.Array  # []
+    metrics: Any
+    # The sums of the new floating model states and the last of the others: a PipelineParams,
+    # the layers' [chunks, layers per chunk, ...].
+    states: PipelineParams
+
+
+class Stage:
+    """One stage's program, the body of the `shard_map` over ``pp`` and the data axes:
+    `start`, then `tick` for each row of the timetable, then `results`.
+
+    Each device runs its own replica's micro-batches ([m, micro_batch_size, ...]) and keeps its
+    own gradients until `results` reduces them.
+    """
+
+    def __init__(
+        self,
+        model: ModelFunctions,
+        schedule: PipelineSchedule,
+        layout: Layout,
+        shapes: Shapes,
+        params: PipelineParams,
+        model_state: PipelineParams,
+        micro: Any,
+        key: jax.Array,
+        loss_scale: jax.Array | None = None,
+    ) -> None:
+        """The stage's program for its `params` and `model_state` (embed's, this stage's
+        layers', the head's), its replica's micro-batches `micro` ([m, 1, b, ...]), the step's
+        `key` and the `loss_scale` (if any), as the `shard_map` gives them."""
+        stages, chunks = schedule.stages, schedule.virtual_stages
+        self.model, self.shapes, self.key, self.layout = model, shapes, key, layout
+        self.micro = jax.tree.map(lambda x: x[:, 0], micro)
+        self.micro_batches, self.loss_scale = schedule.micro_batches, loss_scale
+        self.stages, self.chunks = stages, chunks
+        self.last = stages * chunks - 1  # the last virtual stage
+        self.size = jax.tree.leaves(shapes.chunk)[0].shape[0]  # layers per chunk
+        self.head_part = self.size * stages * chunks + 1  # the head's part in `part_keys`
+        data = layout.data
+        self.replicas = lax.psum(1, data) if data else 1
+        self.replica = lax.axis_index(data) if data else 0
+        # Of each micro-batch loss, and of its gradients: small cotangents, which a float16
+        # backward needs (the reducer averages over the replicas: see `results`).
+        self.scale = 1.0 / (schedule.micro_batches * self.replicas)
+        # Without virtual stages nothing goes from the last stage round to the first.
+        self.to_next = [
+            (s, (s + 1) % stages) for s in range(stages) if chunks > 1 or s < stages - 1
+        ]
+        self.to_prev = [(s, (s - 1) % stages) for s in range(stages) if chunks > 1 or s > 0]
+        self.index = lax.axis_index(AXIS)
+
+        casts = shapes.casts
+        self.embed_params = cast(params.embed, casts.embed)
+        self.head_params = cast(params.head, casts.head)
+        self.embed_state, self.head_state = model_state.embed, model_state.head
+        by_chunk = lambda x: x.reshape(chunks, -1, *x.shape[1:])  # noqa: E731
+        layers = cast(params.layers, casts.layers)
+        self.layers = jax.tree.map(by_chunk, (layers, model_state.layers))
+        # The parameters as the ticks use them: whole, in their dtypes there.
+        self.ran = PipelineParams(
+            *(
+                cast_shapes(s, c)
+                for s, c in zip((shapes.embed, shapes.chunk, shapes.head), casts, strict=True)
+            )
+        )
+        first_layer = jax.tree.map(lambda x: x[0], self._chunk(0))
+        self.chunk = Chunk(model.stage, *first_layer, zeros(shapes.activations), key)
+
+    def _whole(self, part: str, tree: Any) -> Any:
+        """`tree`, parameters of `part` ("embed", "layers" or "head") as this device holds
+        them, gathered over the data axes where ZeRO-3 splits them."""
+
+        def one(x: jax.Array, split: tuple) -> jax.Array:
+            for dim, axes in split:
+                x = lax.all_gather(x, axes, axis=dim, tiled=True)
+            return x
+
+        return jax.tree.map(one, tree, getattr(self.layout.gathers, part), is_leaf=is_split)
+
+    def _chunk(self, chunk: jax.Array | int) -> tuple[Any, Any]:
+        """The parameters (whole) and model state of this stage's model chunk `chunk` (its
+        layers stacked)."""
+        if self.chunks > 1:
+            w, s = take(self.layers, chunk)
+        else:
+            w, s = jax.tree.map(lambda x: x[0], self.layers)
+        return self._whole("layers", w), s
+
+    def start(self, table: Timetable) -> Carry:
+        """The carry before the first tick: buffers of the timetable's sizes, and zero sums."""
+        activations, shapes, compiler = self.shapes.activations, self.shapes, self.layout.compiler
+        states = (self.embed_state, self.layers[1], self.head_state)
+        # The gradients split over mp as their parameters are (else XLA may keep them whole and
+        # gather every tick's gradients to add them).
+        by_chunk = lambda s: PartitionSpec(None, *s)  # noqa: E731
+        chunk_specs = jax.tree.map(by_chunk, compiler.layers, is_leaf=is_spec)
+        residuals = zeros(self.chunk.shapes, table.residual_slots, self.size)
+        return Carry(
+            self._residuals_split(residuals),
+            zeros(activations, table.activation_slots),
+            zeros(activations, table.cotangent_slots),
+            constrain(zeros(shapes.chunk, self.chunks), chunk_specs),
+            constrain(zeros(shapes.embed), compiler.embed),
+            constrain(zeros(shapes.head), compiler.head),
+            jnp.zeros((), jnp.float32),
+            zeros(shapes.aux),
+            PipelineParams(*zeros(states)),
+        )
+
+    def _residual_specs(self) -> list[PartitionSpec | None]:
+        """Where the residual buffers [slots, layers per chunk, ...] are: a residual shaped
+        like the activations (a layer's input, all a recomputed layer keeps) is split over
+        the compiler's axes along its largest dimension that divides, as sequence
+        parallelism keeps it, and gathered when its backward runs: a 1/mp of the memory of
+        the micro-batches in flight for an all-gather per layer. The others (None) stay as
+        XLA lays them out (one that its layer splits over mp stays split)."""
+        split, ways = self.layout.split, self.layout.split_ways
+        activations = jax.tree.leaves(self.shapes.activations)
+        like = [(a.shape, a.dtype) for a in activations]
+
+        def spec(r: jax.ShapeDtypeStruct) -> PartitionSpec | None:
+            dims = sorted(range(len(r.shape)), key=lambda d: -r.shape[d])
+            fits = [d for d in dims if r.shape[d] % ways == 0]
+            if not split or (r.shape, r.dtype) not in like or not fits:
+                return None
+            entries = [None] * (2 + len(r.shape))
+            entries[2 + fits[0]] = split
+            return PartitionSpec(*entries)
+
+        return [spec(r) for r in self.chunk.shapes]
+
+    def _residuals_split(self, buffers: list[jax.Array]) -> list[jax.Array]:
+        """The residual buffers laid out as `_residual_specs` says."""
+        specs = self._residual_specs()
+        return [b if s is None else constrain(b, s) for b, s in zip(buffers, specs, strict=True)]
+
+    def _whole_where_split(self, residuals: list[jax.Array]) -> list[jax.Array]:
+        """`residuals` with those kept split whole, as the layers make and use them: the split
+        stays in the buffer instead of spreading to the layers."""
+        specs = self._residual_specs()
+        return [
+            r if spec is None else constrain(r, WHOLE)
+            for r, spec in zip(residuals, specs, strict=True)
+        ]
+
+    def tick(self, segment: Segment, carry: Carry, rows: jax.Array) -> tuple[Carry, None]:
+        """One tick of `segment`: this stage's row of `rows` [stages, COLUMNS], its forward,
+        then its backward, then the sends: activations to the next stage, cotangents to the
+        previous (each only in segments that have them)."""
+        row = rows[self.index]
+        if segment.forward:
+            carry, (y, loss, metrics, dh) = self.forward(carry, row)
+            carry = carry._replace(
+                g_head=added(carry.g_head, dh),
+                loss=carry.loss + loss,
+                metrics=jax.tree.map(jnp.add, carry.metrics, metrics),
+            )
+        if segment.backward:
+            g_layers, dx, de = self.backward(carry, row)
+            carry = carry._replace(g_layers=g_layers, g_embed=added(carry.g_embed, de))
+        if segment.send_forward and self.to_next:
+            sent = lax.ppermute(y, AXIS, self.to_next)
+            carry = carry._replace(activations=put(carry.activations, row[RECV_ACT], sent))
+        if segment.send_backward and self.to_prev:
+            sent = lax.ppermute(dx, AXIS, self.to_prev)
+            carry = carry._replace(cotangents=put(carry.cotangents, row[RECV_COT], sent))
+        return carry, None
+
+    def forward(self, carry: Carry, row: jax.Array) -> tuple[Carry, tuple]:
+        """The forward half of a tick, if the row has one: micro-batch ``row[F_MICRO]`` through
+        chunk ``row[F_CHUNK]``, after embed on the first virtual stage and before the head on
+        the last. Keeps the residuals (and the head's cotangent) and the new model states;
+        returns the carry and the output to send, the loss, the metrics and the head's
+        gradients."""
+        chunk = row[F_CHUNK]
+        virtual = chunk * self.stages + self.index
+        is_first, is_last = virtual == 0, virtual == self.last
+        shapes = self.shapes
+        heads = (F32, shapes.aux, self.ran.head, shapes.activations, self.head_state)
+
+        def run(x_in: Any, batch: Any) -> tuple:
+            w, s = self._chunk(chunk)
+            # Parts: embed, head_loss, then this chunk's layers (in model order).
+            layers = 1 + virtual * self.size + jnp.arange(self.size)
+            parts = jnp.concatenate([jnp.array([0, self.head_part]), layers])
+            keys = part_keys(self.key, self.replica, row[F_MICRO], parts)
+            embed_params = functools.partial(self._whole, "embed", self.embed_params)
+            embed = lambda: self.model.embed(embed_params(), self.embed_state, batch, keys[0])  # noqa: E731
+            x, embed_state = lax.cond(is_first, embed, lambda: (x_in, zeros(self.embed_state)))
+            (y, layers_state), made = self.chunk.forward(w, s, x, keys[2:])
+            head = functools.partial(self._head, y, batch, keys[1])
+            *out, head_state = lax.cond(is_last, head, lambda: zeros(heads))
+            states = PipelineParams(embed_state, layers_state, head_state)
+            return made, y, states, *out
+
+        def idle(x_in: Any, batch: Any) -> tuple:
+            states = PipelineParams(self.embed_state, self._chunk(0)[1], self.head_state)
+            made = zeros(self.chunk.shapes, self.size)
+            return made, *zeros((shapes.activations, states, *heads[:-1]))
+
+        running = row[F_MICRO] >= 0
+        batch = take(self.micro, jnp.maximum(row[F_MICRO], 0))
+        x_in = take(carry.activations, row[F_ACT])
+        made, y, states, loss, metrics, dh, dy = lax.cond(running, run, idle, x_in, batch)
+        # Written outside the cond: a buffer that a cond's branch updates is copied whole.
+        made = self._whole_where_split(made)
+        residuals = put_where(carry.residuals, row[F_RES], running, made)
+        cotangents = put(carry.cotangents, row[F_DY], dy)
+        last = row[F_MICRO] == self.micro_batches - 1
+        states = self._states(carry.states, states, chunk, (last & is_first, last, last & is_last))
+        carry = carry._replace(residuals=residuals, cotangents=cotangents, states=states)
+        return carry, (y, loss, metrics, dh)
+
+    def _states(
+        self, total: PipelineParams, new: PipelineParams, chunk: jax.Array, last: tuple
+    ) -> PipelineParams:
+        """`total` with the new states of embed, chunk `chunk`'s layers and the head kept (see
+        `kept_states`; `last` says, per part, whether its new state is the last micro-batch's)."""
+        layers = kept_states(take(total.layers, chunk), new.layers, last[1])
+        return PipelineParams(
+            kept_states(total.embed, new.embed, last[0]),
+            jax.tree.map(lambda t, x: t.at[chunk].set(x), total.layers, layers),
+            kept_states(total.head, new.head, last[2]),
+        )
+
+    def _head(self, y: Any, batch: Any, key: jax.Array) -> tuple:
+        """The head's loss and metrics (each times 1 / (m replicas)), the gradients of the loss
+        (times the loss scale, if any) for the head's parameters and for `y`, and the head's
+        new model state."""
+
+        def loss_fn(h: Any, y: Any) -> tuple[jax.Array, tuple[jax.Array, Any, Any]]:
+            loss, aux, state = self.model.head_loss(h, self.head_state, y, batch, key)
+            aux = jax.tree.map(lambda a: a.astype(jnp.float32) * self.scale, aux)
+            loss = loss.astype(jnp.float32)
+            scaled = loss * self.scale
+            scaled = scaled if self.loss_scale is None else scaled * self.loss_scale
+            return scaled, (loss * self.scale, aux, state)
+
+        grad = jax.grad(loss_fn, (0, 1), has_aux=True)
+        (dh, dy), (loss, aux, state) = grad(self._whole("head", self.head_params), y)
+        return loss, aux, dh, dy, state
+
+    def backward(self, carry: Carry, row: jax.Array) -> tuple:
+        """The backward half of a tick, if the row has one: micro-batch ``row[B_MICRO]`` back
+        through chunk ``row[B_CHUNK]`` from its kept residuals and cotangent, and back through
+        embed on the first virtual stage. Returns the layers' gradients with the chunk's added,
+        and the gradients of the chunk's input (to send) and of embed's parameters."""
+        chunk, running = row[B_CHUNK], row[B_MICRO] >= 0
+        is_first = chunk * self.stages + self.index == 0
+        w, s = self._chunk(chunk)
+        kept = self._whole_where_split(take(carry.residuals, row[B_RES]))
+        dy = take(carry.cotangents, row[B_COT])
+        g_layers, dx = self.chunk.backward(w, s, kept, dy, carry.g_layers, chunk, running)
+
+        def embed_grad(dx: Any, batch: Any) -> Any:
+            key = part_keys(self.key, self.replica, row[B_MICRO], 0)
+
+            def embed(params: Any) -> Any:  # the activations (the new state is kept)
+                return self.model.embed(params, self.embed_state, batch, key)[0]
+
+            return jax.vjp(embed, self._whole("embed", self.embed_params))[1](dx)[0]
+
+        batch = take(self.micro, jnp.maximum(row[B_MICRO], 0))
+        no_grad = lambda *_: zeros(self.ran.embed)  # noqa: E731
+        return g_layers, dx, lax.cond(is_first & running, embed_grad, no_grad, dx, batch)
+
+    def results(self, carry: Carry, reducer: Reducer) -> tuple[Any, Any, Any]:
+        """The loss and metrics (means over every replica's micro-batches), the new model
+        states (see `program`) and the gradients, reduced over the data axes by `reducer`;
+        embed's and the head's also over the stages (only the first and the last make them),
+        after the reducer has made them smaller."""
+        data = self.layout.data
+        every = (AXIS, *data)
+        by_layer = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
+        grads = PipelineParams(carry.g_embed, jax.tree.map(by_layer, carry.g_layers), carry.g_head)
+        if data:  # the reducer averages each replica's gradients of its own mean loss
+            grads = jax.tree.map(lambda g: g * self.replicas, grads)
+            grads = self._reduced(grads, reducer)
+        grads = grads._replace(embed=psum(grads.embed, AXIS), head=psum(grads.head, AXIS))
+        states = carry.states
+        states = PipelineParams(
+            psum(merged(states.embed, self.micro_batches, data), AXIS),
+            jax.tree.map(by_layer, merged(states.layers, self.micro_batches, data)),
+            psum(merged(states.head, self.micro_batches, data), AXIS),
+        )
+        return (psum(carry.loss, every), psum(carry.metrics, every)), states, grads
+
+    def _reduced(self, grads: PipelineParams, reducer: Reducer) -> PipelineParams:
+        """`grads` reduced over the data axes by `reducer`, on each device's own part of them
+        (a `shard_map` over the compiler's axes too: XLA would gather a gradient split over
+        mp before a reduce-scatter over sharding)."""
+        compiler = self.layout.compiler
+        axes = {a for s in jax.tree.leaves(compiler, is_leaf=is_spec) for a in spec_axes(s)}
+        reduce = functools.partial(reducer, axes=self.layout.data)
+        if not axes:
+            return reduce(grads)
+        return jax.shard_map(
+            reduce,
+            mesh=jax.sharding.get_abstract_mesh(),
+            in_specs=(compiler,),
+            out_specs=compiler,
+            axis_names=axes,
+            check_vma=False,
+        )(grads)

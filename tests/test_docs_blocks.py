@@ -1,0 +1,66 @@
+"""Every python block of README.md and docs/*.md runs as pasted.
+
+A block (indented ones in lists too) runs in a fresh Python process, in an empty directory, on
+the suite's 8 simulated CPU devices. A block whose fence follows the marker line
+`<!-- continues the block above -->` continues the page's block before it (the site renders
+both, and hides the marker): the test runs the two as one script. Every other block is
+complete on its own.
+"""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = pathlib.Path(__file__).parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+CONTINUES = "<!-- continues the block above -->"
+_BLOCK = re.compile(
+    r"^(?P<marker>[ \t]*<!-- [^\n]* -->\n\n?)?"  # an HTML comment on the line(s) before
+    r"(?P<indent>[ \t]*)```python\n(?P<code>.*?)^(?P=indent)```$",
+    re.M | re.S,
+)
+
+
+def scripts(page: pathlib.Path) -> list[tuple[str, str]]:
+    """(name, code) of each script on `page`: a block with the blocks that continue it. The name
+    is the page and the number of the script's first block, `index.md:1`."""
+    found: list[tuple[str, str]] = []
+    for number, block in enumerate(_BLOCK.finditer(page.read_text()), start=1):
+        marker = (block["marker"] or "").strip()
+        if marker and marker != CONTINUES:
+            raise AssertionError(f"{page.name}: block {number} has an unknown marker {marker}")
+        if marker == CONTINUES:
+            assert found, f"{page.name}: block {number} continues nothing"
+            name, code = found[-1]
+            found[-1] = (name, f"{code}\n{textwrap.dedent(block['code'])}")
+        else:
+            found.append((f"{page.name}:{number}", textwrap.dedent(block["code"])))
+    return found
+
+
+SCRIPTS = [script for page in PAGES for script in scripts(page)]
+
+
+def run(code: str, cwd: pathlib.Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # conftest's 8 simulated CPU devices
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_every_python_block_is_found():
+    texts = [page.read_text() for page in PAGES]
+    found = [len(_BLOCK.findall(text)) for text in texts]
+    assert found == [text.count("```python\n") for text in texts]  # no fence missed
+    assert sum(found) >= 20  # README.md's and docs/*.md's
+
+
+@pytest.mark.parametrize(("name", "code"), SCRIPTS, ids=[name for name, _ in SCRIPTS])
+def test_block_runs_as_pasted(name, code, tmp_path):
+    result = run(code, tmp_path)
+    assert result.returncode == 0, f"{name} failed:\n{result.stderr[-4000:]}"

@@ -236,6 +236,9 @@ class Attempt:
     def _start(self, command: Sequence[str], index: int, number: int) -> subprocess.Popen:
         log = self.logs[index]
         env = {
+            # A worker's log is its live view (worker 0's is echoed here): lines as printed,
+            # not 8 KiB later, and none lost in the buffer of a killed worker.
+            "PYTHONUNBUFFERED": "1",
             **os.environ,
             **self.workers[index].env,
             _guard.RUN_ID_VARIABLE: self._run_id,

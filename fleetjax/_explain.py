@@ -187,6 +187,9 @@ class Explanation:
             for c in self.collectives
         ]
         parts.append("</table>")
+        if self.traffic:
+            lines = ["payload per mesh axis and step:", *map(_traffic_line, self.traffic)]
+            parts.append("<pre>" + html.escape("\n".join(lines)) + "</pre>")
         if self.gpu is not None:
             parts.append("<pre>" + html.escape("\n".join(_estimate_lines(self.gpu))) + "</pre>")
         return "".join(parts)

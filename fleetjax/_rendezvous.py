@@ -1,9 +1,11 @@
-"""`fleetjax-run --master`: the nodes of a job find each other (Paddle's HTTP master).
+"""How the launchers of a job's nodes meet, and the connections that keep them in touch.
 
-The node that owns the `--master` address serves: it takes one registration from each other
-node (a line of JSON: the job id, the node rank asked for or -1, its worker endpoints), numbers
-the nodes and answers each with every node's endpoints, in node order. Nothing else is
-exchanged, and the server closes once every node has its answer (docs/security.md).
+One node serves: the one that owns the `--master` address (with `--ips`, the first node, at
+port `--start_port - 1`). Every other node connects to it and registers with one line of
+JSON: the job id, the node rank it asks for (-1: any) and its worker endpoints. The connection
+then stays open for the whole job, one JSON message a line each way (`Link`): each side says
+`{"alive": true}` every second, and the job's messages (fleetjax/_job.py) go over it. Nothing
+else is exchanged (docs/security.md).
 """
 
 from __future__ import annotations
@@ -11,18 +13,20 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import queue
 import socket
+import threading
 import time
-from typing import Any
+from typing import Any, BinaryIO
 
-TIMEOUT_SECONDS = 300.0  # for every node to arrive; as long as JAX waits for its processes
-_READ_SECONDS = 10.0  # for a connected node to send its registration
+READ_SECONDS = 10.0  # for a connected node to send its registration
+ALIVE_SECONDS = 1.0  # between two "alive" messages on a link
 _MAX_MESSAGE = 1 << 20
 _RETRY_SECONDS = 0.5
 
 
 class RendezvousError(Exception):
-    """The nodes could not agree; the message says why."""
+    """The nodes could not meet or agree; the message says why."""
 
 
 def endpoint(host: str, port: int) -> str:
@@ -42,21 +46,63 @@ def parse_master(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _send(conn: socket.socket, message: dict[str, Any]) -> None:
-    conn.sendall(json.dumps(message).encode() + b"\n")
+class Link:
+    """A connection to another node's launcher: one JSON message a line each way.
+
+    A reader thread puts `("message", link, message)` on `events` for each message but the
+    "alive" ones, and `("closed", link, time.time())` when the connection ends; a second
+    thread sends `{"alive": true}` every `ALIVE_SECONDS`. `silent_for()` says how long the
+    other side has sent nothing.
+    """
+
+    def __init__(self, sock: socket.socket, reader: BinaryIO, events: queue.Queue) -> None:
+        self.sock, self._reader, self._events = sock, reader, events
+        self._lock = threading.Lock()
+        self._heard = time.monotonic()
+        self._closed = threading.Event()
+        sock.settimeout(None)
+        with contextlib.suppress(OSError):  # keepalive: a dead peer's socket ends one day
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        self.peer = endpoint(*sock.getpeername()[:2])
+        threading.Thread(target=self._read, name="fleetjax-link-read", daemon=True).start()
+        threading.Thread(target=self._keep_alive, name="fleetjax-link-alive", daemon=True).start()
+
+    def _read(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            for line in self._reader:
+                self._heard = time.monotonic()
+                message = json.loads(line)
+                if isinstance(message, dict) and not message.get("alive"):
+                    self._events.put(("message", self, message))
+        self._events.put(("closed", self, time.time()))
+
+    def _keep_alive(self) -> None:
+        while not self._closed.wait(ALIVE_SECONDS):
+            self.send({"alive": True})
+
+    def send(self, message: dict[str, Any]) -> None:
+        """Send `message`; a connection that is gone already is left to the reader to report."""
+        data = json.dumps(message).encode() + b"\n"
+        with self._lock, contextlib.suppress(OSError):
+            self.sock.sendall(data)
+
+    def silent_for(self) -> float:
+        """Seconds since the other side last sent anything."""
+        return time.monotonic() - self._heard
+
+    def close(self) -> None:
+        self._closed.set()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
 
 
-def _receive(conn: socket.socket, deadline: float) -> Any:
-    """One line of JSON from `conn` (None if it is not one, too long or not done in time)."""
-    data = b""
+def _receive(reader: BinaryIO) -> Any:
+    """One line of JSON (None if it is not one, or too long)."""
     with contextlib.suppress(OSError, ValueError):
-        while not data.endswith(b"\n") and len(data) < _MAX_MESSAGE:
-            conn.settimeout(max(0.01, deadline - time.monotonic()))
-            chunk = conn.recv(1 << 16)
-            if not chunk:
-                return None
-            data += chunk
-        return json.loads(data)
+        line = reader.readline(_MAX_MESSAGE)
+        if line.endswith(b"\n"):
+            return json.loads(line)
     return None
 
 
@@ -72,64 +118,73 @@ def _registration(message: Any) -> tuple[str, int, list[str]] | None:
     return job_id, rank, endpoints
 
 
-def _number(requested: list[int], nnodes: int) -> list[int]:
-    """Node ranks: the ones asked for, then the free ones in arrival order (this node first)."""
-    asked = [r for r in requested if r >= 0]
-    if any(r >= nnodes for r in asked) or len(set(asked)) != len(asked):
-        raise RendezvousError(
-            f"the nodes ask for ranks {sorted(asked)}, which are not distinct ranks "
-            f"0..{nnodes - 1} of --nnodes {nnodes}"
-        )
-    free = iter(sorted(set(range(nnodes)) - set(asked)))
-    return [r if r >= 0 else next(free) for r in requested]
+class Listener:
+    """The serving node's side: takes registrations until closed.
 
+    Each node of job `job_id` that registers becomes `("arrived", link, (rank, endpoints))`
+    on `events`; anything else is refused and the listener waits on.
+    """
 
-def _serve(
-    listener: socket.socket, job_id: str, rank: int, endpoints: list[str], nnodes: int
-) -> tuple[list[list[str]], int]:
-    deadline = time.monotonic() + TIMEOUT_SECONDS
-    peers: list[tuple[socket.socket, int, list[str]]] = []
-    try:
-        while len(peers) < nnodes - 1:
-            listener.settimeout(max(0.01, deadline - time.monotonic()))
+    def __init__(self, master: tuple[str, int], job_id: str, events: queue.Queue) -> None:
+        self.job_id, self._events = job_id, events
+        family = socket.AF_INET6 if ":" in master[0] else socket.AF_INET
+        self._socket = socket.socket(family, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind(master)  # OSError: another node serves, or not this node's address
+        self._socket.listen()
+        threading.Thread(target=self._accept, name="fleetjax-rendezvous", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
             try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                raise RendezvousError(
-                    f"{len(peers) + 1} of --nnodes {nnodes} nodes came to the rendezvous "
-                    f"within {TIMEOUT_SECONDS:g} s"
-                ) from None
-            node = _registration(_receive(conn, min(deadline, time.monotonic() + _READ_SECONDS)))
-            if node is None or node[0] != job_id:
-                # Not a node of this job: refuse it and wait on.
-                with contextlib.suppress(OSError):
-                    _send(conn, {"error": f"this is the rendezvous of job {job_id!r}"})
-                conn.close()
-                continue
-            peers.append((conn, node[1], node[2]))
-        ranks = _number([rank] + [r for _, r, _ in peers], nnodes)
-        arrived = [endpoints] + [e for *_, e in peers]
-        table = [arrived[ranks.index(r)] for r in range(nnodes)]
-        everyone = [e for node in table for e in node]
-        if len(set(everyone)) != len(everyone):
-            raise RendezvousError(f"the nodes' worker endpoints repeat: {everyone}")
-        for (conn, *_), node_rank in zip(peers, ranks[1:], strict=True):
-            _send(conn, {"rank": node_rank, "nodes": table})
-        return table, ranks[0]
-    except RendezvousError as e:
-        for conn, *_ in peers:
-            with contextlib.suppress(OSError):
-                _send(conn, {"error": str(e)})
-        raise
-    finally:
-        for conn, *_ in peers:
+                conn, _ = self._socket.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._admit, args=(conn,), daemon=True).start()
+
+    def _admit(self, conn: socket.socket) -> None:
+        conn.settimeout(READ_SECONDS)
+        reader = conn.makefile("rb")
+        node = _registration(_receive(reader))
+        if node is None or node[0] != self.job_id:
+            with contextlib.suppress(OSError):  # not a node of this job: refused
+                conn.sendall(
+                    json.dumps({"error": f"this is the rendezvous of job {self.job_id!r}"}).encode()
+                    + b"\n"
+                )
             conn.close()
+            return
+        self._events.put(("arrived", Link(conn, reader, self._events), node[1:]))
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # wakes the thread in accept(), which holds it open
+            self._socket.shutdown(socket.SHUT_RDWR)
+        self._socket.close()
 
 
-def _register(
-    master: tuple[str, int], job_id: str, rank: int, host: str | None, ports: list[int]
-) -> tuple[list[list[str]], int]:
-    deadline = time.monotonic() + TIMEOUT_SECONDS
+def serve(master: tuple[str, int], job_id: str, events: queue.Queue) -> Listener | None:
+    """A `Listener` on `master` if this node owns that address and nobody serves there yet,
+    else None (this node registers instead)."""
+    try:
+        return Listener(master, job_id, events)
+    except OSError as e:
+        if e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+            return None
+        raise RendezvousError(f"cannot serve the rendezvous at {endpoint(*master)}: {e}") from e
+
+
+def register(
+    master: tuple[str, int],
+    registration: tuple[str, int, list[int]],
+    host: str | None,
+    events: queue.Queue,
+    timeout: float,
+) -> tuple[Link, list[str]]:
+    """Connect to the serving node at `master` (retrying for `timeout` seconds) and register:
+    `registration` is (job id, the rank asked for or -1, this node's worker ports), on `host`
+    (default: this node's address that reaches `master`). Returns the link and the endpoints
+    registered."""
+    deadline = time.monotonic() + timeout
     while True:
         try:
             conn = socket.create_connection(master, timeout=_RETRY_SECONDS)
@@ -137,63 +192,12 @@ def _register(
         except OSError:
             if time.monotonic() > deadline:
                 raise RendezvousError(
-                    f"no rendezvous at --master {endpoint(*master)} within {TIMEOUT_SECONDS:g} "
-                    "s: start fleetjax-run on the node that owns that address too"
+                    f"no rendezvous at {endpoint(*master)} within {timeout:g} s (--join_timeout):"
+                    " start fleetjax-run on the node that owns that address too"
                 ) from None
             time.sleep(_RETRY_SECONDS)
-    with conn:
-        host = host or conn.getsockname()[0]  # the address that reaches the master
-        _send(
-            conn, {"job_id": job_id, "rank": rank, "endpoints": [endpoint(host, p) for p in ports]}
-        )
-        reply = _receive(conn, deadline)
-    if isinstance(reply, dict) and isinstance(reply.get("error"), str):
-        raise RendezvousError(f"the rendezvous at {endpoint(*master)} refused: {reply['error']}")
-    if not isinstance(reply, dict) or type(reply.get("rank")) is not int:
-        raise RendezvousError(f"no answer from the rendezvous at {endpoint(*master)}")
-    return reply["nodes"], reply["rank"]
-
-
-def _listen(master: tuple[str, int]) -> socket.socket | None:
-    """A server socket on `master` if this node owns that address and nobody serves there."""
-    family = socket.AF_INET6 if ":" in master[0] else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(master)
-        listener.listen()
-    except OSError as e:
-        listener.close()
-        if e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
-            return None  # another node serves, or the master is another machine
-        raise RendezvousError(f"cannot serve the rendezvous at {endpoint(*master)}: {e}") from e
-    return listener
-
-
-def rendezvous(
-    master: tuple[str, int],
-    job_id: str,
-    nnodes: int,
-    rank: int,
-    host: str | None,
-    ports: list[int],
-) -> tuple[list[list[str]], int]:
-    """Every node's worker endpoints, in node order, and this node's rank among them.
-
-    Args:
-      master: the rendezvous address; the node that owns it serves.
-      job_id: nodes of another job are refused.
-      nnodes: how many nodes to wait for.
-      rank: the rank this node asks for, or -1 for any (the serving node comes first).
-      host: this node's address for its endpoints (default: the one that reaches `master`).
-      ports: this node's worker ports.
-
-    Raises:
-      RendezvousError: if not every node came in time, or their ranks or endpoints clash.
-    """
-    listener = _listen(master)
-    if listener is None:
-        return _register(master, job_id, rank, host, ports)
-    with listener:
-        endpoints = [endpoint(host or master[0], p) for p in ports]
-        return _serve(listener, job_id, rank, endpoints, nnodes)
+    job_id, rank, ports = registration
+    endpoints = [endpoint(host or conn.getsockname()[0], port) for port in ports]
+    message = {"job_id": job_id, "rank": rank, "endpoints": endpoints}
+    conn.sendall(json.dumps(message).encode() + b"\n")
+    return Link(conn, conn.makefile("rb"), events), endpoints

@@ -1604,9 +1604,9 @@ DISTRIBUTED_STRATEGY = message(
             "elastic",
             bool,
             False,
-            note="Paddle's elastic training is set up on its launcher (--elastic_server, "
-            "--max_restart); fleetjax-run stops every worker when one fails, and training "
-            "resumes from the last checkpoint",
+            note="Paddle's elastic training is set up on its launcher, and so is fleetjax's: "
+            "fleetjax-run's --max_restart, --elastic_level and --nnodes min:max restart the job "
+            "after a failure, and training resumes from the latest intact checkpoint",
         ),
         field(
             11,

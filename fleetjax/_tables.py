@@ -25,6 +25,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh
 
+from fleetjax._checks import init_optimizer
 from fleetjax.layers import is_table, logical_to_spec
 from fleetjax.layers.sparse_embedding import TABLE_ROWS, TouchedRows, on_host
 from fleetjax.mesh import data_axes, spec_axes
@@ -181,7 +182,7 @@ class Tables:
         geo = None
         if self.geo_k_steps:
             geo = {name: sparse_rows.geo_init(table[...]) for name, table in found.items()}
-        dense = optimizer.init(sparse_rows.without_tables(params))
+        dense = init_optimizer(optimizer, sparse_rows.without_tables(params))
         return params, TablesState(dense, sparse_rows.init_slots(self.rules, found), geo)
 
     def geo(

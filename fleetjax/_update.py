@@ -21,6 +21,7 @@ import optax
 from jax.sharding import Mesh
 
 from fleetjax._chain import Loss, Signature, grad_chain
+from fleetjax._checks import init_optimizer
 from fleetjax._tables import Rows, Tables
 from fleetjax.mesh import constrain, data_axes, data_parallel_size, restrict
 from fleetjax.placement import Placement, place
@@ -91,7 +92,7 @@ def initial_state(
         lambda x: jnp.broadcast_to(x, (data_parallel_size(mesh), *x.shape)), tree
     )
     if tables is None:
-        opt_state = optimizer.init(params)
+        opt_state = init_optimizer(optimizer, params)
     else:
         params, opt_state = tables.init(optimizer, params)
     opt_state = stack(opt_state) if plan.per_replica else opt_state

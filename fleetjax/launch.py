@@ -22,30 +22,50 @@ Devices:
     have are an error.
   * Several nodes, either way Paddle offers:
       - `--ips` lists the nodes (the same command on each; the same `--nproc_per_node`). Each
-        node finds itself in `--ips` by the addresses it can bind (or `--host`, `--rank`):
+        node finds itself in `--ips` by the addresses it can bind (or `--host`, `--rank`); the
+        launchers meet at the first node's port `--start_port - 1` before any worker starts:
             python -m fleetjax.launch --ips 10.0.0.1,10.0.0.2 --gpus 0,1,2,3 train.py
       - `--master host:port --nnodes N`: the nodes meet at `--master`, which the node that
         owns that address serves (`--rank` picks a node's rank, `--job_id` names the job):
             python -m fleetjax.launch --master 10.0.0.1:8090 --nnodes 2 train.py
+    Either way the launchers stay linked (fleetjax/_rendezvous.py, fleetjax/_job.py): each
+    says it is alive every second, the serving node names the job's first failure for all,
+    and Gloo listens on and announces each node's own address (never the host name's).
 
-Faults:
+Faults (the first failure is named, with its code, whatever the others do afterwards):
   * A worker that exits with an error or is killed: the launcher prints the end of its log
-    (its traceback), stops the others (SIGTERM, then SIGKILL after `GRACE_SECONDS`) and exits
-    with that worker's code (128 + signal number if it was killed). A worker whose
-    `fleet.init()` joined other processes exits right after printing an uncaught exception,
-    instead of waiting in JAX's shutdown barrier for the others.
-  * `--heartbeat_timeout S`: a worker that neither writes to its log nor calls `heartbeat()`
-    for S seconds is taken as hung; the job is stopped the same way, exit code 124.
+    (its traceback, unless the console showed it), then `<who> <what>; stopping all workers`
+    as its last line, stops the others (SIGTERM, then SIGKILL after 3 s, Paddle's wait) and exits
+    with that worker's code (128 + signal number if it was killed). The script runs under
+    fleetjax/_worker.py, which records how it ended before Python's exit handlers, so a
+    `sys.exit(3)` while the others wait in a collective is named at once (JAX's shutdown
+    barrier would hold that worker for 5 minutes); a joined worker that leaves by
+    `os._exit(0)` while the others run is a failure too (exit code 1).
+  * Hangs: a worker that neither writes to its log, runs a `TrainStep`, nor calls
+    `heartbeat()` for `--heartbeat_timeout` seconds (default `DEFAULT_HEARTBEAT_TIMEOUT`; 0:
+    never) is taken as hung: of the silent workers, the one with the fewest steps (the others
+    wait for it in a collective); exit code 124.
+  * Another node: a worker of it fails (named on every node), its launcher dies, or it says
+    nothing for `--peer_timeout` seconds (a lost link or node, `DEFAULT_PEER_TIMEOUT`): the
+    job stops on every node with the same message and exit code (124 for a lost node). A node
+    that does not come within `--join_timeout`, or nodes with different `--nproc_per_node`:
+    `fleetjax-run: error: ...` and exit code 2, before anything starts.
+  * Restarts: `--max_restart N` restarts the whole job (every node) after a failure, N times
+    at most; default 0, or 3 (Paddle's) with `--elastic_level 1`/`2` or `--nnodes min:max`.
+    With `--nnodes min:max` (and `--master`) the job goes on with the nodes left, at least
+    min, waiting `--elastic_timeout` seconds for more. The script resumes from its latest
+    intact checkpoint (docs/checkpoints.md); each later attempt appends to the logs.
   * Ctrl-C, SIGINT or SIGTERM to the launcher stops all workers the same way (exit code
-    128 + signal number). Every process the workers started is stopped with them, also a
-    detached one (its own session), and also when the launcher itself is killed by SIGKILL:
-    a guard process (fleetjax/_guard.py) outlives the launcher for that.
+    128 + signal number), on every node. Every process the workers started is stopped with
+    them, also a detached one (its own session), and also when the launcher itself is killed
+    by SIGKILL: a guard process (fleetjax/_guard.py) outlives the launcher for that.
   * A closed console (`fleetjax-run ... | head -1`, a dropped terminal) only ends the echo:
     workers write to their log files, never to the console.
   * Bad options, a busy coordinator port, a `--log_dir` that cannot be a directory: one line
     `fleetjax-run: error: ...` and exit code 2, before anything starts.
 
-Parameter-server jobs (Paddle's `--server_num`, `--servers`, `--trainer_num`, `--workers`):
+Parameter-server jobs (Paddle's `--server_num`, `--servers`, `--trainer_num` or fleetrun's
+`--worker_num`, `--workers` or `--trainers`):
 the processes are trainers and servers with Paddle's parameter-server variables
 (`TRAINING_ROLE`, `PADDLE_PSERVERS_IP_PORT_LIST`, `PADDLE_TRAINERS_NUM`, `PADDLE_TRAINER_ID`,
 `POD_IP`, `PADDLE_PORT`, `PADDLE_TRAINER_ENDPOINTS`), which `fleet.init(is_collective=False)`
@@ -64,72 +84,51 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import dataclasses
 import errno
+import functools
+import math
 import os
 import pathlib
-import queue
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
-import uuid
-from collections.abc import Mapping, Sequence
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
 from typing import NoReturn
 
-from fleetjax import _guard, _rendezvous
+from fleetjax import _job, _liveness, _rendezvous, _supervise, _worker
+from fleetjax._supervise import say as _say
+from fleetjax.fleet import _join
 
 DEFAULT_START_PORT = 6070  # Paddle's
-GRACE_SECONDS = 3.0  # between SIGTERM and SIGKILL when stopping workers (Paddle's)
-LOG_TAIL_LINES = 20  # of a failed worker's log, shown on the console
-HEARTBEAT_EXIT_CODE = 124  # the launcher's, when a worker made no progress (as timeout(1))
-HEARTBEAT_FILE_VARIABLE = "FLEETJAX_HEARTBEAT_FILE"
-_POLL_SECONDS = 0.1
-# Loaded here, not in the forked child, where only the call itself should run.
-_LIBC = ctypes.CDLL(None) if sys.platform == "linux" else None
+# A worker silent this long is hung. Each TrainStep call is progress (its first, compiling,
+# too), so this covers what else a healthy worker may do without output: compiling other
+# functions, loading data, a checkpoint; 30 minutes is PyTorch's default collective timeout.
+DEFAULT_HEARTBEAT_TIMEOUT = 1800.0
+# The launchers of a job's nodes talk every second: 4 s of silence is a lost node or link, and
+# the job has stopped within 10 s (3 s of it the workers' grace period).
+DEFAULT_PEER_TIMEOUT = 4.0
+DEFAULT_JOIN_TIMEOUT = float(_join.JOIN_TIMEOUT_SECONDS)  # JAX's initialization timeout
+DEFAULT_ELASTIC_TIMEOUT = 30.0  # Paddle's --elastic_timeout
+PADDLE_MAX_RESTART = 3  # Paddle's --max_restart, which Paddle applies with --elastic_level >= 1
+Worker = _supervise.Worker
 
 
 class LaunchError(Exception):
     """The launch cannot go ahead (bad options, busy port); the message says why."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Worker:
-    """One process to start on this node.
-
-    Attributes:
-      rank: the global worker index (`PADDLE_TRAINER_ID`; a parameter server's index).
-      local_rank: the index on this node (`PADDLE_RANK_IN_NODE`).
-      env: the variables this launcher sets for it (on top of its own environment).
-      role: "worker", or "server" (a parameter server).
-    """
-
-    rank: int
-    local_rank: int
-    env: dict[str, str]
-    role: str = "worker"
-
-    @property
-    def log_name(self) -> str:
-        """Its log's file name: Paddle's `workerlog.N` or `serverlog.N`."""
-        return f"{self.role}log.{self.rank}"
-
-
 def heartbeat() -> None:
     """Tell `fleetjax-run --heartbeat_timeout` that this worker makes progress.
 
-    Output to the worker's log counts as progress already; call this in stretches without
-    output (it touches the log, `FLEETJAX_HEARTBEAT_FILE`). Outside `fleetjax-run` it does
-    nothing.
+    Output to the worker's log counts as progress already, and so does each `TrainStep` call;
+    call this in other stretches without output (it touches the log,
+    `FLEETJAX_HEARTBEAT_FILE`). Outside `fleetjax-run` it does nothing.
     """
-    path = os.environ.get(HEARTBEAT_FILE_VARIABLE)
-    if path:
-        with contextlib.suppress(OSError):  # the log removed: nothing to tell
-            os.utime(path)
+    _liveness.beat()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -137,11 +136,11 @@ class _Parser(argparse.ArgumentParser):
         raise LaunchError(message)  # one line, as every other usage error
 
 
-def _positive_seconds(text: str) -> float:
+def _seconds(text: str) -> float:
     with contextlib.suppress(ValueError):
-        if (seconds := float(text)) > 0 and seconds != float("inf"):
+        if (seconds := float(text)) >= 0 and seconds != float("inf"):
             return seconds
-    raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    raise argparse.ArgumentTypeError(f"must be a number of seconds (0 or more), got {text!r}")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -185,6 +184,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add(
         "--devices",
         "--gpus",
+        "--selected_gpus",
         dest="devices",
         help="comma-separated GPU ids of this node, split evenly over its processes "
         "(default: all visible GPUs)",
@@ -202,21 +202,72 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="worker i's endpoint port is start_port + i; the first worker's is the JAX "
         f"coordinator's (default: {DEFAULT_START_PORT})",
     )
+    _add_fault_options(parser)
+    add("training_script", nargs="?", help="the script each process runs")
+    add("training_script_args", nargs=argparse.REMAINDER)
+    return parser.parse_args(argv)
+
+
+def _add_fault_options(parser: argparse.ArgumentParser) -> None:
+    """The options for faults and restarts, and Paddle's parameter-server options."""
+    add = parser.add_argument
     add(
         "--heartbeat_timeout",
-        type=_positive_seconds,
+        type=_seconds,
+        default=DEFAULT_HEARTBEAT_TIMEOUT,
         metavar="SECONDS",
-        help="stop the job when a worker neither writes to its log nor calls "
-        "fleetjax.launch.heartbeat() for this long (default: never)",
+        help="stop the job when a worker neither writes to its log, runs a TrainStep nor calls "
+        "fleetjax.launch.heartbeat() for this long; 0: never "
+        f"(default: {DEFAULT_HEARTBEAT_TIMEOUT:g})",
+    )
+    add(
+        "--peer_timeout",
+        type=_seconds,
+        default=DEFAULT_PEER_TIMEOUT,
+        metavar="SECONDS",
+        help="a node whose launcher says nothing for this long is lost (default: "
+        f"{DEFAULT_PEER_TIMEOUT:g}); workers' JAX heartbeat timeout is twice this",
+    )
+    add(
+        "--join_timeout",
+        type=_seconds,
+        default=DEFAULT_JOIN_TIMEOUT,
+        metavar="SECONDS",
+        help="how long the nodes (and the workers' JAX processes) have to meet "
+        f"(default: {DEFAULT_JOIN_TIMEOUT:g})",
+    )
+    elastic = parser.add_argument_group("restarts and elastic nodes (Paddle's)")
+    elastic.add_argument(
+        "--max_restart",
+        type=int,
+        help="restart the whole job after a failure up to this many times (default: 0; 3, "
+        "Paddle's, with --elastic_level 1 or 2 or --nnodes min:max)",
+    )
+    elastic.add_argument(
+        "--elastic_level",
+        type=int,
+        default=-1,
+        choices=(-1, 0, 1, 2),
+        help="-1/0: no restarts (Paddle's default -1); 1 or 2: restart after a failure (3 "
+        "times unless --max_restart says otherwise); fewer nodes take --nnodes min:max",
+    )
+    elastic.add_argument(
+        "--elastic_timeout",
+        type=_seconds,
+        default=DEFAULT_ELASTIC_TIMEOUT,
+        metavar="SECONDS",
+        help="with --nnodes min:max, once min nodes are there, how long to wait for more "
+        f"(default: {DEFAULT_ELASTIC_TIMEOUT:g}, Paddle's)",
     )
     ps = parser.add_argument_group("parameter-server jobs (Paddle's)")
     ps.add_argument("--server_num", type=int, help="parameter servers on this node")
     ps.add_argument("--servers", help="comma-separated ip:port of every parameter server")
-    ps.add_argument("--trainer_num", type=int, help="trainers on this node")
-    ps.add_argument("--workers", help="comma-separated ip:port of every trainer")
-    add("training_script", nargs="?", help="the script each process runs")
-    add("training_script_args", nargs=argparse.REMAINDER)
-    return parser.parse_args(argv)
+    ps.add_argument(
+        "--trainer_num", "--worker_num", dest="trainer_num", type=int, help="trainers on this node"
+    )
+    ps.add_argument(
+        "--workers", "--trainers", dest="workers", help="comma-separated ip:port of every trainer"
+    )
 
 
 # -- what to start -----------------------------------------------------------------------------
@@ -294,7 +345,9 @@ def _selected_gpus(devices: str | None, environ: Mapping[str, str]) -> list[str]
         else:
             why = "nvidia-smi lists none" if shutil.which("nvidia-smi") else "no nvidia-smi"
         raise LaunchError(
-            f"--devices (--gpus) {devices} names GPUs, but this machine has none ({why})"
+            f"--devices (--gpus) {devices} names GPUs, but this machine has none ({why}); "
+            "without GPUs, give the processes with --nproc_per_node and each one's simulated "
+            "CPU devices with --cpu_devices_per_proc"
         )
     missing = [d for d in selected if d not in visible]
     if missing:
@@ -305,61 +358,118 @@ def _selected_gpus(devices: str | None, environ: Mapping[str, str]) -> list[str]
     return selected
 
 
-def _node_count(text: str | None) -> int | None:
+def _node_count(text: str | None, master: bool) -> tuple[int, int] | None:
+    """(least, most) nodes of `--nnodes N` or `--nnodes min:max` (elastic, at `--master`)."""
     if text is None:
         return None
-    if not text.isdigit() or int(text) < 1:
+    least, sep, most = text.partition(":")
+    if not sep:
+        most = least
+    if not (least.isdigit() and most.isdigit()) or not 1 <= int(least) <= int(most):
         raise LaunchError(
-            f"--nnodes must be a number of nodes (at least 1), got {text!r}; fleetjax-run "
-            "starts a fixed number of nodes (no elastic min:max range)"
+            f"--nnodes must be a number of nodes (at least 1) or a range min:max, got {text!r}"
         )
-    return int(text)
+    if sep and not master:
+        raise LaunchError(
+            f"--nnodes {text} (an elastic range) needs --master, where nodes can come and go; "
+            "--ips lists a fixed set of nodes"
+        )
+    return int(least), int(most)
 
 
-def _node_endpoints(args: argparse.Namespace, nproc: int) -> tuple[list[list[str]], int]:
-    """Every node's worker endpoints, in node order, and this node's index among them."""
-    nnodes = _node_count(args.nnodes)
+@dataclasses.dataclass(frozen=True)
+class Nodes:
+    """Where this node's job runs.
+
+    Attributes:
+      nnodes: the least and the most nodes (1, 1 for one node).
+      host: this node's address for its endpoints (None: the one that reaches `master`).
+      rank: the rank this node asks for (-1: any); with `--ips` its place in the list.
+      master: where the nodes meet (None: one node, nothing to meet).
+      ips: `--ips` (empty with `--master`).
+    """
+
+    nnodes: tuple[int, int] = (1, 1)
+    host: str | None = "127.0.0.1"
+    rank: int = 0
+    master: tuple[str, int] | None = None
+    ips: tuple[str, ...] = ()
+
+
+def where(args: argparse.Namespace) -> Nodes:
+    """Where the job's nodes are, from `--ips`, or `--master` and `--nnodes`.
+
+    Raises:
+      LaunchError: if the options do not fit together (the message names them).
+    """
     if args.rank < -1:
         raise LaunchError(f"--rank must be a node's rank (0, 1, ...) or -1 (any), got {args.rank}")
-    ports = [args.start_port + i for i in range(nproc)]
     if args.master is not None:
         if args.ips is not None:
             raise LaunchError("give --master (the nodes meet there) or --ips, not both")
         try:
             master = _rendezvous.parse_master(args.master)
-            if nnodes is None or nnodes == 1:
-                if args.rank > 0:
-                    raise LaunchError(f"--rank {args.rank} of a single node (--nnodes 1)")
-                host = args.host or "127.0.0.1"
-                return [[_rendezvous.endpoint(host, p) for p in ports]], 0
-            return _rendezvous.rendezvous(master, args.job_id, nnodes, args.rank, args.host, ports)
         except _rendezvous.RendezvousError as e:
             raise LaunchError(str(e)) from None
+        nnodes = _node_count(args.nnodes, master=True) or (1, 1)
+        if nnodes[1] == 1:  # a single node needs no rendezvous (as in Paddle)
+            if args.rank > 0:
+                raise LaunchError(f"--rank {args.rank} of a single node (--nnodes 1)")
+            return Nodes(host=args.host or "127.0.0.1")
+        return Nodes(nnodes, args.host, args.rank, master)
     ips = _split(args.ips or "127.0.0.1", "--ips")
     if len(set(ips)) != len(ips):
         raise LaunchError(f"--ips {args.ips} repeats a node")
-    if nnodes is not None and nnodes != len(ips):
+    nnodes = _node_count(args.nnodes, master=False)
+    if nnodes is not None and nnodes[0] != len(ips):
         raise LaunchError(
-            f"--nnodes {nnodes} but --ips lists {len(ips)} node(s); list every node in --ips, "
-            "or let the nodes meet at --master"
+            f"--nnodes {nnodes[0]} but --ips lists {len(ips)} node(s); list every node in "
+            "--ips, or let the nodes meet at --master"
         )
-    return [[f"{ip}:{p}" for p in ports] for ip in ips], node_index(ips, args.host, args.rank)
+    node = node_index(ips, args.host, args.rank)
+    if len(ips) == 1:
+        return Nodes(host=ips[0])
+    if args.start_port < 2:
+        raise LaunchError(
+            f"--start_port {args.start_port}: the launchers of --ips nodes meet at the first "
+            "node's port start_port - 1, so it must be at least 2"
+        )
+    master = (ips[0], args.start_port - 1)
+    return Nodes((len(ips), len(ips)), ips[node], node, master, tuple(ips))
 
 
-def plan_workers(
-    args: argparse.Namespace, environ: Mapping[str, str] | None = None
-) -> list[Worker]:
-    """The processes to start on this node and the variables each gets (with `--master`,
-    after the nodes met there).
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """This node's processes in a collective job and what each gets besides its rank.
+
+    Attributes:
+      nproc: processes on this node (`--nproc_per_node`).
+      gpus: this node's GPUs, split evenly over them (none: CPU devices).
+      cpu_devices: simulated CPU devices per process, without GPUs.
+      start_port: process `i`'s endpoint port is `start_port + i`.
+      env: variables every trainer gets (JAX's platform, the timeouts of its join).
+    """
+
+    nproc: int
+    gpus: tuple[str, ...]
+    cpu_devices: int
+    start_port: int
+    env: dict[str, str]
+
+    @property
+    def ports(self) -> list[int]:
+        return [self.start_port + i for i in range(self.nproc)]
+
+
+def layout(args: argparse.Namespace, environ: Mapping[str, str]) -> Layout:
+    """This node's processes and devices, checked.
 
     Raises:
-      LaunchError: if the options do not fit together (the message names them).
+      LaunchError: if the options do not fit together or this machine (the message names
+        them).
     """
-    environ = os.environ if environ is None else environ
     if not 0 < args.start_port < 65536:
         raise LaunchError(f"--start_port must be a port number 1..65535, got {args.start_port}")
-    if any(getattr(args, name) is not None for name in _PS_OPTIONS):
-        return _plan_parameter_server(args, environ)
     gpus = _selected_gpus(args.devices, environ)
     if gpus and args.cpu_devices_per_proc is not None:
         raise LaunchError(
@@ -379,44 +489,82 @@ def plan_workers(
         raise LaunchError(f"--cpu_devices_per_proc must be at least 1, got {cpu_devices}")
     if args.start_port + nproc - 1 > 65535:
         raise LaunchError(f"--start_port {args.start_port} + {nproc} processes exceeds port 65535")
+    env = {**_jax_platform(gpus, cpu_devices, environ), **_join_timeouts(args)}
+    return Layout(nproc, tuple(gpus), cpu_devices, args.start_port, env)
 
-    nodes, node = _node_endpoints(args, nproc)
+
+def collective_workers(layout: Layout, nodes: list[list[str]], node: int) -> list[Worker]:
+    """The processes of node `node` of a job whose nodes have the worker endpoints `nodes`,
+    with the variables each gets."""
     endpoints = [e for node_endpoints in nodes for e in node_endpoints]
     common = {
         "PADDLE_TRAINERS_NUM": str(len(endpoints)),
         "PADDLE_TRAINER_ENDPOINTS": ",".join(endpoints),
         "PADDLE_NNODES": str(len(nodes)),
-        **_jax_devices(gpus, cpu_devices, endpoints[0], environ),
+        "JAX_COORDINATOR_ADDRESS": endpoints[0],
+        **layout.env,
     }
     first = sum(len(n) for n in nodes[:node])
     workers = []
-    for local_rank in range(nproc):
+    for local_rank in range(layout.nproc):
         rank = first + local_rank
         env = {
             **common,
             "PADDLE_TRAINER_ID": str(rank),
             "PADDLE_CURRENT_ENDPOINT": endpoints[rank],
             "PADDLE_RANK_IN_NODE": str(local_rank),
-            **_gpus_of(gpus, local_rank, nproc),
+            **_gpus_of(layout.gpus, local_rank, layout.nproc),
         }
         workers.append(Worker(rank, local_rank, env))
     return workers
 
 
-def _jax_devices(
-    gpus: Sequence[str], cpu_devices: int, coordinator: str, environ: Mapping[str, str]
+def plan_workers(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> list[Worker]:
+    """The processes to start on this node and the variables each gets, where the nodes are
+    known without meeting (one node, or `--ips`).
+
+    Raises:
+      LaunchError: if the options do not fit together (the message names them), or the
+        nodes meet at `--master` (their endpoints are known once they met).
+    """
+    environ = os.environ if environ is None else environ
+    if any(getattr(args, name) is not None for name in _PS_OPTIONS):
+        return _plan_parameter_server(args, environ)
+    nodes, this = where(args), layout(args, environ)
+    if nodes.ips:
+        table = [[_rendezvous.endpoint(ip, port) for port in this.ports] for ip in nodes.ips]
+        return collective_workers(this, table, nodes.rank)
+    if nodes.master is not None:
+        raise LaunchError("with --master and several nodes, the nodes meet before planning")
+    assert nodes.host is not None
+    return collective_workers(this, [[_rendezvous.endpoint(nodes.host, p) for p in this.ports]], 0)
+
+
+def _join_timeouts(args: argparse.Namespace) -> dict[str, str]:
+    """The variables with which a trainer's `fleet.init()` joins JAX's runtime: how long it
+    waits for the others, and JAX's heartbeat timeout (twice the launchers', so that they
+    name a lost node first)."""
+    return {
+        _join.JOIN_TIMEOUT_VARIABLE: str(math.ceil(args.join_timeout)),
+        _join.HEARTBEAT_VARIABLE: str(math.ceil(2 * args.peer_timeout)),
+    }
+
+
+def _jax_platform(
+    gpus: Sequence[str], cpu_devices: int, environ: Mapping[str, str]
 ) -> dict[str, str]:
-    """The JAX variables of a trainer: the coordinator, and the CPU devices or the GPUs."""
-    env = {"JAX_COORDINATOR_ADDRESS": coordinator}
+    """The JAX variables of a trainer for its devices: the CPU's, or the GPUs'."""
     if not gpus:
-        env.update(
-            JAX_PLATFORMS="cpu",
-            JAX_NUM_CPU_DEVICES=str(cpu_devices),
-            JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
-        )
-    elif not environ.get("JAX_PLATFORMS"):
-        env["JAX_PLATFORMS"] = "cuda"  # a GPU that JAX cannot use fails, never the CPU
-    return env
+        return {
+            "JAX_PLATFORMS": "cpu",
+            "JAX_NUM_CPU_DEVICES": str(cpu_devices),
+            "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
+        }
+    if not environ.get("JAX_PLATFORMS"):
+        return {"JAX_PLATFORMS": "cuda"}  # a GPU that JAX cannot use fails, never the CPU
+    return {}
 
 
 def _gpus_of(gpus: Sequence[str], local_rank: int, nproc: int) -> dict[str, str]:
@@ -492,7 +640,11 @@ def _plan_parameter_server(args: argparse.Namespace, environ: Mapping[str, str])
         "PADDLE_TRAINERS_NUM": str(len(trainers)),
     }
     cpu_devices = args.cpu_devices_per_proc if args.cpu_devices_per_proc is not None else 1
-    jax_env = _jax_devices(gpus, cpu_devices, trainers[0], environ)
+    jax_env = {
+        "JAX_COORDINATOR_ADDRESS": trainers[0],
+        **_jax_platform(gpus, cpu_devices, environ),
+        **_join_timeouts(args),
+    }
     planned = []
     for local_rank, rank in enumerate(mine):
         host, _, port = trainers[rank].rpartition(":")
@@ -525,8 +677,6 @@ def check_port_free(port: int) -> None:
 
 def _checked_paths(args: argparse.Namespace) -> pathlib.Path:
     """The log directory (made if missing), after checking it and the training script."""
-    if args.training_script is None:
-        raise LaunchError("no training script: fleetjax-run [options] train.py [its arguments]")
     if not os.path.isfile(args.training_script):
         raise LaunchError(f"the training script {args.training_script} is not a file")
     log_dir = pathlib.Path(args.log_dir)
@@ -541,58 +691,7 @@ def _checked_paths(args: argparse.Namespace) -> pathlib.Path:
     return log_dir
 
 
-# -- running them ------------------------------------------------------------------------------
-def _die_with_launcher() -> None:
-    """In the child, before exec: get SIGKILL if the launcher dies, even by SIGKILL (Linux)."""
-    pr_set_pdeathsig = 1
-    assert _LIBC is not None
-    _LIBC.prctl(pr_set_pdeathsig, signal.SIGKILL)
-
-
-def _say(message: str) -> None:
-    with contextlib.suppress(OSError):  # a closed stderr must not stop the stopping
-        print(f"fleetjax-run: {message}", file=sys.stderr, flush=True)
-
-
-class _Echo:
-    """Copies a worker's log onto the console as it grows (Paddle shows the node's first
-    worker). A closed console ends the copying, never the worker or its log."""
-
-    def __init__(self, log: pathlib.Path) -> None:
-        self._log = log
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._copy, daemon=True)
-        self._thread.start()
-
-    def _copy(self) -> None:
-        with open(self._log, "rb") as source:
-            while True:
-                finishing = self._done.is_set()  # then copy what is left, and stop
-                chunk = source.read(1 << 16)
-                if chunk:
-                    try:
-                        sys.stdout.buffer.write(chunk)
-                        sys.stdout.buffer.flush()
-                    except OSError:
-                        self._console_closed()
-                        return
-                elif finishing:
-                    return
-                else:
-                    self._done.wait(_POLL_SECONDS)
-
-    def _console_closed(self) -> None:
-        _say(f"the console is closed; the workers go on, worker output is in {self._log}")
-        # Python's own flush of stdout at exit must not fail on the closed pipe either.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-
-    def close(self) -> None:
-        self._done.set()
-        self._thread.join()
-
-
+# -- running -----------------------------------------------------------------------------------
 class _Stop(Exception):
     """The launcher got SIGINT or SIGTERM."""
 
@@ -607,185 +706,124 @@ def _raise_stop(signum: int, frame: object) -> None:
     raise _Stop(signum)
 
 
-def _describe(code: int) -> str:
-    if code < 0:
-        return f"was killed by {signal.Signals(-code).name}"
-    return f"exited with code {code}"
+def _options(args: argparse.Namespace, log_dir: pathlib.Path, nodes: Nodes) -> _job.Options:
+    """How the job runs, from the options; restarts as Paddle allows them by default."""
+    for option in ("join_timeout", "peer_timeout"):
+        if getattr(args, option) < 1:
+            raise LaunchError(
+                f"--{option} must be at least 1 second, got {getattr(args, option):g}"
+            )
+    elastic = nodes.nnodes[0] < nodes.nnodes[1] or args.elastic_level >= 1
+    max_restart = args.max_restart
+    if max_restart is None:
+        max_restart = PADDLE_MAX_RESTART if elastic else 0
+    if max_restart < 0:
+        raise LaunchError(f"--max_restart must be 0 or more, got {max_restart}")
+    return _job.Options(
+        command=[sys.executable, "-u", "-P", _worker.__file__, args.training_script,
+                 *args.training_script_args],
+        log_dir=log_dir,
+        heartbeat_timeout=args.heartbeat_timeout or None,
+        peer_timeout=args.peer_timeout,
+        max_restart=max_restart,
+        join_timeout=args.join_timeout,
+        elastic_timeout=args.elastic_timeout,
+        nnodes=nodes.nnodes,
+        fixed_ranks=bool(nodes.ips),
+        ips=nodes.ips,
+    )  # fmt: skip
 
 
-def _tail(path: pathlib.Path, lines: int) -> str:
-    with contextlib.suppress(OSError):
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    return ""
-
-
-def _last_progress(log: pathlib.Path) -> float:
-    """When the worker last wrote to its log or called `heartbeat()` (time.time())."""
-    try:
-        return log.stat().st_mtime
-    except OSError:
-        return time.time()  # the log removed: no sign of a hang
-
-
-def _report(worker: Worker, what: str, log: pathlib.Path) -> None:
-    _say(f"{worker.role} {worker.rank} {what}; stopping all workers")
-    _say(f"the end of {log}:\n{_tail(log, LOG_TAIL_LINES)}")
-
-
-def _wait(proc: subprocess.Popen, index: int, exits: queue.Queue[int]) -> None:
-    proc.wait()
-    exits.put(index)
-
-
-def _stale(
-    running: set[int], logs: Sequence[pathlib.Path], timeout: float
-) -> tuple[int, str] | None:
-    """(index, description) of the running worker without progress for the longest, if that
-    is over `timeout` seconds (workers waiting for a hung one stop progressing later)."""
-    if not running:
-        return None
-    index = min(running, key=lambda i: _last_progress(logs[i]))
-    idle = time.time() - _last_progress(logs[index])
-    if idle <= timeout:
-        return None
-    return index, (
-        f"made no progress for {idle:.0f} s (no output, no heartbeat; "
-        f"--heartbeat_timeout {timeout:g})"
-    )
-
-
-def _watch(
-    workers: Sequence[Worker],
-    procs: Sequence[subprocess.Popen],
-    logs: Sequence[pathlib.Path],
-    heartbeat_timeout: float | None,
-) -> int:
-    """Wait until all workers succeed (0), one fails (its code) or one hangs (124).
-
-    Of several failed workers, the first to exit is the one reported: the others may have
-    failed because it did (a collective with a dead peer)."""
-    exits: queue.Queue[int] = queue.Queue()  # worker indices, in the order they exit
-    for index, proc in enumerate(procs):
-        threading.Thread(target=_wait, args=(proc, index, exits), daemon=True).start()
-    running = set(range(len(procs)))
-    while running:
-        try:
-            index = exits.get(timeout=_POLL_SECONDS)
-        except queue.Empty:
-            hung = heartbeat_timeout and _stale(running, logs, heartbeat_timeout)
-            if hung:
-                _report(workers[hung[0]], hung[1], logs[hung[0]])
-                return HEARTBEAT_EXIT_CODE
-            continue
-        running.discard(index)
-        code = procs[index].returncode
-        if code != 0:
-            _report(workers[index], _describe(code), logs[index])
-            return code if code > 0 else 128 - code
-    return 0
-
-
-def _start(
-    command: Sequence[str], worker: Worker, log: pathlib.Path, run_id: str
-) -> subprocess.Popen:
-    env = {
-        **os.environ,
-        **worker.env,
-        _guard.RUN_ID_VARIABLE: run_id,
-        HEARTBEAT_FILE_VARIABLE: str(log.absolute()),
-    }
-    with open(log, "wb") as out:  # a new log each run
-        return subprocess.Popen(
-            command,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own group: stopped as one, not by the tty's ^C
-            preexec_fn=_die_with_launcher,
+def _meet_and_run(job: _job.Job, args: argparse.Namespace, nodes: Nodes, ports: list[int]) -> int:
+    """Run `job` on this node: alone, as the node that serves the rendezvous, or as another."""
+    if nodes.master is None:
+        assert nodes.host is not None
+        return job.run_alone([[_rendezvous.endpoint(nodes.host, p) for p in ports]])
+    listener = _rendezvous.serve(nodes.master, args.job_id, job.events)
+    master = _rendezvous.endpoint(*nodes.master)
+    if listener is None and nodes.ips and nodes.rank == 0:
+        raise LaunchError(
+            f"cannot serve the rendezvous of the --ips nodes at {master}: the port is in use "
+            "(another job?); choose another --start_port"
         )
-
-
-def _stop_job(run_id: str, procs: Sequence[subprocess.Popen]) -> None:
-    """Stop every process of the run and reap the workers."""
-    _guard.stop(run_id, [proc.pid for proc in procs], GRACE_SECONDS)
-    for proc in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):  # unkillable (in the kernel)
-            proc.wait(timeout=GRACE_SECONDS)
-
-
-def run(
-    workers: Sequence[Worker],
-    command: Sequence[str],
-    log_dir: pathlib.Path,
-    heartbeat_timeout: float | None = None,
-) -> int:
-    """Start `command` once per worker and watch them; 0 if all succeed, else the failed
-    worker's code (128 + signal if killed by a signal, or if the launcher was stopped; 124 if
-    one made no progress for `heartbeat_timeout` seconds). Nothing of the run is left after."""
-    run_id = uuid.uuid4().hex
-    # The guard ends the run if this process ends without doing so (SIGKILL).
-    guard = subprocess.Popen(
-        [sys.executable, "-I", _guard.__file__, run_id, str(GRACE_SECONDS)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        start_new_session=True,
-        text=True,
-    )
-    assert guard.stdin is not None
-    logs = [log_dir / worker.log_name for worker in workers]
-    handlers = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    procs: list[subprocess.Popen] = []
-    echo = None
+    if listener is None:
+        link, _ = _rendezvous.register(
+            nodes.master, (args.job_id, nodes.rank, ports), nodes.host, job.events,
+            job.options.join_timeout,
+        )  # fmt: skip
+        return job.run_node(link, master)
     try:
-        for worker, log in zip(workers, logs, strict=True):
-            procs.append(_start(command, worker, log, run_id))
-            guard.stdin.write(f"{procs[-1].pid}\n")  # the worker's process group
-            guard.stdin.flush()
-        echo = _Echo(logs[0])  # a thread only after every fork
-        return _watch(workers, procs, logs, heartbeat_timeout)
-    except _Stop as stop:
-        _say(f"got {signal.Signals(stop.signum).name}; stopping all workers")
-        return 128 + stop.signum
+        check_port_free(ports[0])  # worker 0's, the JAX coordinator's
+        host = nodes.host or nodes.master[0]
+        me = _job.Member(None, [_rendezvous.endpoint(host, p) for p in ports], nodes.rank)
+        members = job.gather([me], first=True)
+        if not job.options.max_restart:
+            listener.close()  # no node can join later
+        return job.run_hub(members)
     finally:
-        for sig in handlers:
-            signal.signal(sig, signal.SIG_IGN)  # the stopping below runs to its end
-        _stop_job(run_id, procs)
-        if echo is not None:
-            echo.close()
-        guard.stdin.close()
-        guard.wait()
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+        listener.close()
+
+
+def _prepare(
+    args: argparse.Namespace, log_dir: pathlib.Path, environ: Mapping[str, str]
+) -> tuple[_job.Options, _job.Planner, Callable[[_job.Job], int]]:
+    """What runs and how: the job's options, the planner of this node's workers and the
+    function that runs the job; checked, nothing started.
+
+    Raises:
+      LaunchError: for options that do not fit together, or a busy coordinator port.
+    """
+    if any(getattr(args, name) is not None for name in _PS_OPTIONS):
+        workers = _plan_parameter_server(args, environ)
+        options = _options(args, log_dir, Nodes())
+        return options, lambda nodes, rank: workers, lambda job: job.run_alone([[]])
+    nodes, this = where(args), layout(args, environ)
+    options = _options(args, log_dir, nodes)
+    if nodes.nnodes[0] < nodes.nnodes[1]:  # fleet.init() explains a strategy that lost nodes
+        elastic = {_join.MAX_NODES_VARIABLE: str(nodes.nnodes[1])}
+        this = dataclasses.replace(this, env={**this.env, **elastic})
+    if nodes.master is None and this.nproc > 1:
+        check_port_free(this.start_port)  # worker 0's, the JAX coordinator's
+    return (
+        options,
+        functools.partial(collective_workers, this),
+        lambda job: _meet_and_run(job, args, nodes, this.ports),
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The `fleetjax-run` command; returns the exit code."""
     try:
-        if _LIBC is None:
+        if sys.platform != "linux":
             raise LaunchError("fleetjax-run runs on Linux only (it relies on /proc and prctl)")
         args = parse_args(argv)
-        log_dir = _checked_paths(args)
-        workers = plan_workers(args)
-        world = int(workers[0].env["PADDLE_TRAINERS_NUM"])
-        coordinator = workers[0].env.get("JAX_COORDINATOR_ADDRESS", "")
-        if world > 1 and workers[0].rank == 0 and workers[0].role == "worker":
-            check_port_free(int(coordinator.rpartition(":")[2]))
+        if args.training_script is None:
+            raise LaunchError("no training script: fleetjax-run [options] train.py [its arguments]")
+        options, planner, run_job = _prepare(args, pathlib.Path(args.log_dir), os.environ)
+        _checked_paths(args)  # the log directory made last, once all else is right
     except LaunchError as e:
         _say(f"error: {e}")
         return 2
-    except KeyboardInterrupt:  # waiting for the other nodes at --master
-        _say("got SIGINT before any worker started")
-        return 128 + signal.SIGINT
-    servers = sum(worker.role == "server" for worker in workers)
-    trainers = [worker.rank for worker in workers if worker.role == "worker"]
-    started = f"workers {trainers[0]}..{trainers[-1]} of {world}" if trainers else "no workers"
-    _say(
-        f"starting {started}{f' and {servers} parameter server(s)' if servers else ''}; "
-        f"logs in {log_dir}/workerlog.N{', serverlog.N' if servers else ''}"
-    )
-    command = [sys.executable, "-u", args.training_script, *args.training_script_args]
-    return run(workers, command, log_dir, args.heartbeat_timeout)
+    run_dir = pathlib.Path(tempfile.mkdtemp(prefix="fleetjax-run-"))
+    job = _job.Job(options, planner, run_dir)
+    handlers = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return run_job(job)
+    except (LaunchError, _rendezvous.RendezvousError) as e:  # before any worker started
+        _say(f"error: {e}")
+        return 2
+    except _Stop as stop:
+        name = signal.Signals(stop.signum).name
+        _say(
+            f"got {name}"
+            + ("; stopping all workers" if job.attempt else " before any worker started")
+        )
+        job.stop_from_outside(stop.signum)
+        return 128 + stop.signum
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

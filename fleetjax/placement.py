@@ -31,6 +31,7 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from fleetjax._checks import check_opt_state, check_param_specs
 from fleetjax._warnings import warn_once
 from fleetjax.layers import is_table, partition_specs
 from fleetjax.layers.sparse_embedding import on_host
@@ -131,6 +132,8 @@ def _host_tables(params: Any, params_at: Any, opt_at: Any = None) -> tuple[Any, 
 def _tensor_specs(plan: Plan, mesh: Mesh, params: Any, param_specs: Any) -> Any:
     """The parameters' split over the non-data axes: `param_specs`, by default from the
     parameters' logical axis names, with a pipeline's stacked layers split over `pp`."""
+    if param_specs is not None:
+        check_param_specs(param_specs, params)
     specs = param_specs if param_specs is not None else partition_specs(params, mesh=mesh)
     if plan.pipeline is None:
         return specs
@@ -237,7 +240,14 @@ def _slot_specs(opt_state: TablesState, params: Any, specs: Any) -> tuple[dict, 
     def note(table: Any, spec: Any) -> None:
         if is_table(table):
             spec = spec.get_value() if is_table(spec) else spec  # nnx keeps the wrapper
-            row_axes[table.get_metadata()["table_name"]] = PartitionSpec(spec[0])
+            name = table.get_metadata()["table_name"]
+            if not isinstance(spec, PartitionSpec) or not spec:
+                raise ValueError(
+                    f"param_specs gives sparse table {name!r} {spec!r}, which splits none of its "
+                    "axes; a table's rows are split over the mesh, its spec names their axes "
+                    "first (fleetjax.layers.partition_specs gives each table's)"
+                )
+            row_axes[name] = PartitionSpec(spec[0])
 
     jax.tree.map(note, params, specs, is_leaf=is_table)
 
@@ -251,7 +261,9 @@ def _opt_specs(optimizer: optax.GradientTransformation, opt_state: Any, params: 
     """The optimizer state's specs; with sparse tables (a `TablesState`) the dense part's as
     the optimizer keeps it, the tables' slots split as their rows."""
     if not isinstance(opt_state, TablesState):
+        check_opt_state(optimizer, opt_state, params)
         return _opt_state_specs(optimizer, opt_state, specs)
+    check_opt_state(optimizer, opt_state.dense, without_tables(params))
     dense = _opt_state_specs(optimizer, opt_state.dense, without_tables(specs, params))
     return TablesState(dense, *_slot_specs(opt_state, params, specs))
 

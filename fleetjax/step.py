@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from fleetjax import _liveness
 from fleetjax._batch import BatchShapes, abstract_batch, check_batch, place_batch
 from fleetjax._chain import Loss, Signature, grad_chain, stage_order
 from fleetjax._checks import check_model_state, check_params, check_state
@@ -160,7 +161,7 @@ class TrainStep:
             (params, rng, model_state),
             (params_in, replicated(self.mesh), spec.placement.model_state),
         )
-        with jax.set_mesh(self.mesh):
+        with jax.set_mesh(self.mesh), _liveness.busy():  # compiling: progress to fleetjax-run
             state = jax.jit(fn, out_shardings=spec.placement.state)(*placed)
         self._issued = (state, spec)
         return state
@@ -181,8 +182,9 @@ class TrainStep:
         issued = self._issued is not None and state is self._issued[0]
         spec = self.spec(state) if issued or self._own is None else self._checked(state)
         compiled = self._compiled_for(spec, steps)
-        # Layers constrain activations by logical name against the ambient mesh.
-        with jax.set_mesh(self.mesh):
+        # Layers constrain activations by logical name against the ambient mesh; each step is
+        # progress for fleetjax-run's hang watch, and so is the first call's compiling.
+        with jax.set_mesh(self.mesh), _liveness.progress(self, (spec, steps)):
             out = compiled(state, batch)
         self._issued = (out[0], spec)
         return jax.block_until_ready(out) if self._one_at_a_time else out

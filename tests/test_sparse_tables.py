@@ -12,6 +12,7 @@ import optax
 import pytest
 from flax import nnx
 from hlo import collectives
+from jax.sharding import PartitionSpec as P
 
 import fleetjax
 from fleetjax import targets
@@ -495,6 +496,26 @@ class TestBadInput:
         step = fleetjax.make_train_step(loss_fn, optax.sgd(LR), s)
         with pytest.raises(
             ValueError, match=r"names \['embedding_0.w_0'\], but the model's sparse tables are "
+        ):
+            step.init(params())
+
+    def test_param_specs_that_split_no_axis_of_a_table(self):
+        step = fleetjax.make_train_step(
+            loss_fn, optax.sgd(LR), strategy(), param_specs={"emb": P(), "w": P()}
+        )
+        with pytest.raises(
+            ValueError,
+            match=r"^param_specs gives sparse table 'emb' P\(\), which splits none of "
+            "its axes; a table's rows are split over the mesh, its spec names their axes first",
+        ):
+            step.init(params())
+
+    def test_param_specs_without_a_parameter(self):
+        step = fleetjax.make_train_step(loss_fn, optax.sgd(LR), strategy(), param_specs={"w": P()})
+        with pytest.raises(
+            ValueError,
+            match=r"^param_specs must give a PartitionSpec for each parameter \(params\['emb'\], "
+            r"params\['w'\]\): no spec for params\['emb'\]$",
         ):
             step.init(params())
 

@@ -20,7 +20,7 @@ from fleetjax._warnings import warn_once
 from fleetjax.distributed_model import distributed_model
 from fleetjax.distributed_optimizer import DistributedOptimizer, distributed_optimizer
 from fleetjax.fleet._dygraph import DeferredLoss, DistributedModel, Dygraph, not_a_loss
-from fleetjax.fleet._join import default_role_maker, join_processes
+from fleetjax.fleet._join import default_role_maker, job_mesh, join_processes
 from fleetjax.fleet._ps import non_distributed, runtime_call
 from fleetjax.fleet._trainer import Trainer, learning_rate
 from fleetjax.fleet.base.role_maker import PaddleCloudRoleMaker, Role, RoleMakerBase
@@ -199,7 +199,7 @@ class Fleet:
         if role_maker.is_distributed:
             join_processes(role_maker)
         server = role_maker.role == Role.SERVER  # a parameter server builds no mesh
-        self._mesh = None if server else mesh_for(plan)
+        self._mesh = None if server else job_mesh(plan)
         self._role, self._strategy = role_maker, strategy.__copy__()
         self._model = self._param_specs = self._optimizer = self._trainer = None
         self._replace_dygraph(None)

@@ -93,7 +93,8 @@ def build_mesh(
     degrees = {"dp": dp, "sharding": sharding, "pp": pp, "mp": mp}
     for axis, degree in degrees.items():
         allowed = (-1,) if axis == "dp" else ()
-        if not isinstance(degree, (int, np.integer)) or (degree < 1 and degree not in allowed):
+        is_int = isinstance(degree, (int, np.integer)) and not isinstance(degree, bool)
+        if not is_int or (degree < 1 and degree not in allowed):
             want = "-1 or a positive int" if axis == "dp" else "a positive int"
             raise ValueError(f"{axis} degree must be {want}, got {degree!r}")
     others = sharding * pp * mp

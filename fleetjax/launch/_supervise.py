@@ -1,5 +1,5 @@
 """One attempt of a job on this node: its workers started, watched until the first failure,
-stopped (`fleetjax-run`'s supervision; fleetjax/_job.py decides what follows).
+stopped (`fleetjax-run`'s supervision; fleetjax/launch/_job.py decides what follows).
 
 The first failure is the first worker that ends with a code other than 0 (its exit, or the code
 its `fleetjax._worker` entry recorded before JAX's shutdown barrier), that is killed, or that
@@ -26,7 +26,8 @@ import time
 import uuid
 from collections.abc import Sequence
 
-from fleetjax import _guard, _liveness, _worker
+from fleetjax import _liveness, _worker
+from fleetjax.launch import _guard
 
 GRACE_SECONDS = 3.0  # between SIGTERM and SIGKILL when stopping workers (Paddle's)
 LOG_TAIL_LINES = 20  # of a failed worker's log, shown on the console

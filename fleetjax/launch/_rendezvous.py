@@ -4,7 +4,7 @@ One node serves: the one that owns the `--master` address (with `--ips`, the fir
 port `--start_port - 1`). Every other node connects to it and registers with one line of
 JSON: the job id, the node rank it asks for (-1: any) and its worker endpoints. The connection
 then stays open for the whole job, one JSON message a line each way (`Link`): each side says
-`{"alive": true}` every second, and the job's messages (fleetjax/_job.py) go over it. Nothing
+`{"alive": true}` every second, and the job's messages (fleetjax/launch/_job.py) go over it. Nothing
 else is exchanged (docs/security.md).
 """
 

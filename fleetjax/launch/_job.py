@@ -1,8 +1,8 @@
 """A job's attempts on this node, its restarts, and how the nodes' launchers agree on them.
 
-One node alone runs an attempt (fleetjax/_supervise.py), stops it at its first failure and
+One node alone runs an attempt (fleetjax/launch/_supervise.py), stops it at its first failure and
 restarts it while `--max_restart` allows. With several nodes, the serving node (the hub, see
-fleetjax/_rendezvous.py) decides for all, over the links to the others:
+fleetjax/launch/_rendezvous.py) decides for all, over the links to the others:
 
     hub  -> node  {"start": {"rank", "nodes", "attempt"}}   run this node's workers
     node -> hub   {"failed": Failure}                       this node's first failure
@@ -29,8 +29,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fleetjax._rendezvous import Link, RendezvousError
-from fleetjax._supervise import (
+from fleetjax.launch._rendezvous import Link, RendezvousError
+from fleetjax.launch._supervise import (
     GRACE_SECONDS,
     HANG_EXIT_CODE,
     Attempt,

@@ -28,7 +28,7 @@ from fleetjax._config import (
 )
 
 # Paddle spellings of pipeline schedules (static fleet, auto-parallel and dygraph registries).
-SCHEDULE_MODES = ("1F1B", "F-then-B", "FThenB", "VPP", "Eager1F1B", "ZBH1", "ZBVPP")
+PADDLE_SCHEDULE_MODES = ("1F1B", "F-then-B", "FThenB", "VPP", "Eager1F1B", "ZBH1", "ZBVPP")
 
 # The plain policies of `jax.checkpoint_policies`, for the `policy` extension key of recompute.
 REMAT_POLICIES = (
@@ -43,9 +43,10 @@ _remat_policy = one_of("", *REMAT_POLICIES)
 _half = one_of("float16", "bfloat16")
 _merge_mode = one_of("across_calls", "in_step")
 
-# Axes Paddle's hybrid topology knows; fleetjax's mesh has dp, pp, sharding and mp.
+# Axes Paddle's hybrid topology knows, in its default order (`hybrid_configs["order"]`);
+# fleetjax.mesh.AXES says which of them a mesh has.
 HYBRID_AXES = ("dp", "pp", "sharding", "sep", "cp", "mp")
-DEFAULT_ORDER = ["dp", "pp", "sharding", "sep", "cp", "mp"]
+PADDLE_ORDER = list(HYBRID_AXES)
 
 _PS = (
     "a setting of Paddle's parameter-server runtime (its server processes, trainer dumps, "
@@ -411,7 +412,7 @@ PIPELINE_CONFIG = message(
             "schedule_mode",
             str,
             "1F1B",
-            check=one_of(*SCHEDULE_MODES),
+            check=one_of(*PADDLE_SCHEDULE_MODES),
             doc="The schedule: `1F1B`, `F-then-B`/`FThenB` or `VPP`; others raise.",
         ),
         field(4, "p2p_cache_shape", bool, True, note="shapes are static under XLA"),
@@ -936,7 +937,7 @@ HYBRID_CONFIG = message(
             1001,
             "order",
             str,
-            list(DEFAULT_ORDER),
+            list(PADDLE_ORDER),
             paddle=False,
             check=one_of(*HYBRID_AXES),
             doc="The mesh axis order, slowest-varying first.",
@@ -2215,7 +2216,7 @@ AUTO_PIPELINE = message(
             "schedule_mode",
             str,
             "1F1B",
-            check=one_of(*SCHEDULE_MODES),
+            check=one_of(*PADDLE_SCHEDULE_MODES),
             doc="`1F1B`, `FThenB` or `VPP`; the zero-bubble schedules raise.",
         ),
         field(3, "pp_degree", int, 1, check=_positive, doc="The `pp` mesh axis size."),

@@ -9,8 +9,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from fleetjax._schema import DEFAULT_ORDER as PADDLE_ORDER
-from fleetjax._schema import HYBRID_AXES
+from fleetjax._schema import HYBRID_AXES, PADDLE_ORDER
 
 AXES = ("dp", "sharding", "pp", "mp")
 # Paddle's hybrid order with the axes fleetjax has: mp varies fastest.

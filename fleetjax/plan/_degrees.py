@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import Mesh
 
-from fleetjax._schema import DEFAULT_ORDER
+from fleetjax._schema import PADDLE_ORDER
 from fleetjax._warnings import warn_once
 from fleetjax.mesh import AXES, build_mesh, check_order
 from fleetjax.plan._values import Degrees, Plan
@@ -78,7 +78,7 @@ def strategy_order(strategy: DistributedStrategy | Strategy) -> tuple[str, ...]:
     """The mesh axis order, slowest-varying first (Paddle's `hybrid_configs["order"]`)."""
     if isinstance(strategy, DistributedStrategy):
         return check_order(strategy.hybrid_configs["order"])
-    return check_order(DEFAULT_ORDER)
+    return check_order(PADDLE_ORDER)
 
 
 def mesh_for(plan: Plan, devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -142,22 +142,26 @@ def explained_row(
 
 
 def auto_row(name: str, gpus: int) -> dict[str, Any]:
-    """The layout `auto.search` picks for `name` on `gpus` H100s, explained; pipelines are
-    among the candidates (the model is a `PipelineLayer`)."""
+    """The layout `auto.search` picks for `name` on `gpus` H100s, explained. For the models
+    Megatron-LM splits 8 ways (mp fixed at 8) pipelines are among the candidates (the model
+    is a `PipelineLayer`); the smaller ones train unpipelined (a search over pipelines too
+    would compile most of them on this 2-core machine, where data parallelism wins anyway)."""
     fns, params, batch = gpt(name)
     strategy = bf16()
-    if name in FIXED_MP and gpus >= 8:
+    pipelines = name in FIXED_MP and gpus >= 8
+    if pipelines:
         strategy.hybrid_configs = {"mp_degree": FIXED_MP[name]}
     specs = fns.partition_specs(mesh=targets.mesh("h100", gpus, mp=8))
+    loss, cut = (fns.pipeline_layer(), fns.pipeline_params) if pipelines else (fns.loss_fn, _same)
     start = time.perf_counter()
     try:
         found = auto.search(
-            fns.pipeline_layer(),
+            loss,
             optax.adam(1e-4),
-            fns.pipeline_params(params),
+            cut(params),
             batch,
             strategy=strategy,
-            param_specs=fns.pipeline_params(specs),
+            param_specs=cut(specs),
             devices=targets.devices("h100", gpus),
         )
     except ValueError as e:  # nothing fits: the smallest candidate says by how much
@@ -171,12 +175,16 @@ def auto_row(name: str, gpus: int) -> dict[str, Any]:
     # Megatron's formulas hold for a pipeline of one sequence per micro-batch under ZeRO-1/2.
     like = layout.pp > 1 and layout.stage < 3 and layout.micro_batches == formula.micro_batches
     step = found.make_train_step()
-    row |= explained_row(gpus, step, fns.pipeline_params(params), batch, formula, like)
+    row |= explained_row(gpus, step, cut(params), batch, formula, like)
     compiled = sum(c.device_bytes is not None for c in found.candidates)
     return row | {
         "compiled / considered": f"{compiled} / {len(found.candidates)}",
         "search s": seconds,
     }
+
+
+def _same(tree: Any) -> Any:
+    return tree
 
 
 def megatron_row(name: str, gpus: int, tp: int, pp: int, vpp: int = 1) -> dict[str, Any]:

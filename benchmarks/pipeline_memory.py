@@ -128,9 +128,9 @@ pp={PP} on {PP} simulated CPU devices; {LAYERS} layers `x + gelu(x W_up) W_down`
 residuals for (a VPP chunk is half a stage). Idle: the schedule's bubble with a backward costing
 twice a forward. FThenB keeps every micro-batch's residuals, so its memory grows linearly in m.
 1F1B keeps at most min(m, 2 pp - 1) = {2 * PP - 1} micro-batches in flight (Paddle's MPMD 1F1B
-keeps pp: in lockstep SPMD a hop between stages costs a whole tick), so its memory stops growing
-from m = 2 pp - 1 on; between m = pp and m = 2 pp it still grows, by pp - 1 residual slots. VPP
-keeps at most 2 (pp - 1) + (V - 1)(pp + m % pp) + 1 chunks and has the smallest bubble.
+keeps pp: in lockstep SPMD a hop between stages costs a whole tick), and its buffer of residuals
+is a ring of that many slots whatever m is, so its memory is the same for every m. VPP keeps at
+most 2 (pp - 1) + (V - 1)(pp + m % pp) + 1 chunks and has the smallest bubble.
 """
     title = "Pipeline schedules: compiled temp memory vs micro-batches"
     return Result(title, rows, notes, _figure(rows), cpu_devices())

@@ -7,9 +7,10 @@ gelu -> `RowParallelLinear`); a final LayerNorm, a vocabulary-parallel output pr
 `ParallelCrossEntropy`. Each block costs two all-reduces over ``mp`` in the forward pass; with
 `GPTConfig.sequence_parallel` (Megatron's sequence parallelism, Paddle's sequence-parallel
 linears) each is a reduce-scatter and an all-gather instead. Attention is
-`fleetjax.layers.attention`: over a mesh with ``sep`` or ``cp`` axes the sequence is split and
-attention exchanges heads (``sep``) or runs as a ring (``cp``); under ``cp`` the model keeps its
-tokens in the ring's load-balanced order (`fleetjax.layers.to_load_balanced`).
+`fleetjax.layers.attention` (`jax.nn.dot_product_attention` where the sequence is whole): over a
+mesh with ``sep`` or ``cp`` axes the sequence is split and attention exchanges heads (``sep``)
+or runs as a ring (``cp``); under ``cp`` the model keeps its tokens in the ring's load-balanced
+order (`fleetjax.layers.to_load_balanced`).
 
 The blocks' parameters are stacked on a leading layer axis (logical name ``"layers"``) and run
 by a `lax.scan` whose body is marked with `fleetjax.recompute`; the model is also cut into
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +82,12 @@ class GPTConfig:
         need a PRNG key: `make_train_step(..., has_rng=True)`.
       sequence_parallel: Megatron's sequence parallelism over mp (Paddle GPT's): the
         sequence-parallel linears, and the residual stream split along the sequence over mp.
+      attention_implementation: `jax.nn.dot_product_attention`'s ``implementation``: None
+        (JAX picks: XLA's attention, on every backend), ``"xla"`` or ``"cudnn"`` (cuDNN's fused
+        flash attention on NVIDIA GPUs, which keeps no [heads, T, T] scores; it takes bf16 or
+        fp16 only, so float32 q, k and v are cast to bfloat16 for it, and it needs the cuDNN
+        library even to compile: ``pip install 'fleetjax[aot-cudnn]'`` without a GPU). Under
+        ``cp`` the ring attention runs instead.
     """
 
     vocab_size: int = 128
@@ -93,15 +100,25 @@ class GPTConfig:
     layer_norm_epsilon: float = 1e-5
     hidden_dropout_prob: float = 0.0
     sequence_parallel: bool = False
+    attention_implementation: Literal["xla", "cudnn"] | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.hidden_dropout_prob < 1:
             raise ValueError(
                 f"GPTConfig.hidden_dropout_prob must be in [0, 1), got {self.hidden_dropout_prob!r}"
             )
+        if self.attention_implementation not in (None, "xla", "cudnn"):
+            raise ValueError(
+                "GPTConfig.attention_implementation must be None, 'xla' or 'cudnn', got "
+                f"{self.attention_implementation!r}"
+            )
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name in ("hidden_dropout_prob", "sequence_parallel"):
+            if field.name in (
+                "hidden_dropout_prob",
+                "sequence_parallel",
+                "attention_implementation",
+            ):
                 continue
             if field.type == "int" and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"GPTConfig.{field.name} must be an int, got {value!r}")
@@ -207,9 +224,12 @@ class Attention(nnx.Module):
         # columns holds whole heads, so attention needs no communication.
         qkv = self.qkv_proj(x).reshape(batch, length, heads, 3, head_dim)
         q, k, v = (constrain(qkv[..., i, :], HEADS) for i in range(3))
+        implementation = self.config.attention_implementation
+        if implementation == "cudnn" and q.dtype == jnp.float32:
+            q, k, v = (y.astype(jnp.bfloat16) for y in (q, k, v))  # cuDNN takes bf16/fp16 only
         # The tokens are in the load-balanced order since the embedding (see Embed).
-        out = attention(q, k, v, is_causal=True, load_balanced=True)
-        return self.out_proj(out.reshape(batch, length, width))
+        out = attention(q, k, v, is_causal=True, load_balanced=True, implementation=implementation)
+        return self.out_proj(out.astype(x.dtype).reshape(batch, length, width))
 
 
 class Block(nnx.Module):

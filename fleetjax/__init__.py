@@ -38,7 +38,7 @@ from fleetjax.distributed_optimizer import DistributedOptimizer, distributed_opt
 from fleetjax.mesh import build_mesh
 from fleetjax.placement import Placement
 from fleetjax.plan import Plan, read_plan
-from fleetjax.step import TrainStep, make_train_step
+from fleetjax.step import StepSpec, TrainStep, make_train_step
 from fleetjax.strategy import (
     BuildStrategy,
     DistributedStrategy,
@@ -80,6 +80,7 @@ __all__ = [
     "Strategy",
     "StrategyWarning",
     "TrainState",
+    "StepSpec",
     "TrainStep",
     "UnknownFieldError",
     "applied_strategy",

@@ -19,8 +19,8 @@ from jax.sharding import Mesh
 
 from fleetjax import xla_flags
 from fleetjax.distributed_optimizer import DistributedOptimizer
-from fleetjax.mesh import AXES, REQUIRED_AXES
-from fleetjax.optimizers import PaddleOptimizer
+from fleetjax.mesh import AXES, REQUIRED_AXES, data_axes, data_parallel_size
+from fleetjax.optimizers import PaddleOptimizer, rebuild
 from fleetjax.plan import NoEffect, OptimizerSwitch, Plan, read_plan
 from fleetjax.strategy import DistributedStrategy, Strategy
 from fleetjax.transforms import amp
@@ -230,26 +230,18 @@ def _amp(config: Any) -> str:
     return ", ".join(parts)
 
 
-_REBUILDS = {
-    "lars": ("a Momentum is rebuilt as LARS momentum", "lars_configs"),
-    "lamb": ("an Adam is rebuilt as LAMB", "lamb_configs"),
-    "dgc": ("a Momentum is rebuilt as DGC momentum (top-k sparse exchange)", "dgc_configs"),
-    "localsgd": (
-        "each replica trains its own parameters, averaged periodically",
-        "localsgd_configs",
-    ),
-    "adaptive_localsgd": (
-        "each replica trains its own parameters, averaged at an interval that follows the loss",
-        "adaptive_localsgd_configs",
-    ),
-}
-
-
 def _optimizer(switch: OptimizerSwitch, optimizer: DistributedOptimizer | None) -> str:
-    what, section = _REBUILDS[switch.name]
-    text = f"{what}: {section} {dict(switch.configs)}"
-    if optimizer is not None and isinstance(optimizer.inner, PaddleOptimizer):
-        text += f"; {optimizer.user!r} became {optimizer.inner!r}"
+    text = f"{switch.row.what}: {switch.row.configs} {dict(switch.configs)}"
+    if optimizer is not None:
+        rebuilt = rebuild(
+            optimizer.user,
+            switch.name,
+            switch.configs,
+            data_parallel_size(optimizer.mesh),
+            data_axes(optimizer.mesh),
+        )
+        if isinstance(rebuilt, PaddleOptimizer):  # a wrapper (LocalSGD) has nothing to show
+            text += f"; {optimizer.user!r} became {rebuilt!r}"
     return text
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -196,6 +196,11 @@ def _checked_output(out: Any, signature: Signature) -> Any:
             f"with {flags} the loss must return ({', '.join(form)}), got {_describe(out)}"
         )
     value = out[0] if parts else out
+    if signature.has_aux and not isinstance(out[1], Mapping):
+        raise TypeError(
+            f"with has_aux=True the loss must return (loss, aux_dict), a dict of metrics by "
+            f"name, but its aux is {_describe(out[1])}: return e.g. (loss, {{'accuracy': acc}})"
+        )
     shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
     if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from fleetjax.train_state import TrainState
 from fleetjax.transforms.pipeline import PipelineParams
@@ -127,3 +129,75 @@ def check_pipeline_layers(tree: Any, pp: int, vpp: int, name: str = "params") ->
             f"{name}.layers has {layers} layers, which do not split into pp_degree x "
             f"vpp_degree = {pp} x {vpp} equal chunks; use a layer count divisible by {pp * vpp}"
         )
+
+
+def _paths(tree: Any, is_leaf: Any = None) -> list[str]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
+    return [jax.tree_util.keystr(path) for path, _ in leaves]
+
+
+def _spec_or_table(x: Any) -> bool:
+    """A leaf of a spec tree: a `PartitionSpec`, or a sparse table's (flax Variable)."""
+    return isinstance(x, PartitionSpec) or hasattr(x, "get_metadata")
+
+
+def check_param_specs(param_specs: Any, params: Any) -> None:
+    """`param_specs` gives a `PartitionSpec` for every parameter (one for a subtree covers
+    it), and none for anything else.
+
+    Raises:
+      ValueError: naming the parameters it lacks and the entries that name none.
+    """
+    have = _paths(param_specs, _spec_or_table)
+    want = _paths(params, _spec_or_table)
+    lacks = [p for p in want if not any(p.startswith(h) for h in have)]
+    extra = [h for h in have if not any(p.startswith(h) for p in want)]
+    if lacks or extra:
+        problems = [f"no spec for params{p}" for p in lacks]
+        problems += [f"param_specs{h} names no parameter" for h in extra]
+        raise ValueError(
+            "param_specs must give a PartitionSpec for each parameter (params"
+            f"{', params'.join(want)}): " + "; ".join(problems)
+        )
+
+
+def init_optimizer(optimizer: Any, params: Any) -> Any:
+    """`optimizer.init(params)`, with an error naming the parameters when an option given as a
+    tree (an optax `multi_transform`'s labels, a weight-decay `mask`) does not fit them.
+
+    Raises:
+      ValueError: for a tree that differs from the parameters' (JAX's pytree error follows).
+    """
+    try:
+        return optimizer.init(params)
+    except ValueError as e:
+        if "pytree structure" not in str(e) and "tree structure" not in str(e):
+            raise
+        keys = ", params".join(_paths(params, None))
+        raise ValueError(
+            "the optimizer does not fit the parameters: a tree it was given (an optax "
+            "multi_transform's param_labels, a weight-decay mask) must have the parameters' "
+            f"tree (params{keys}). JAX: {' '.join(str(e).split())}"
+        ) from e
+
+
+def check_opt_state(optimizer: Any, opt_state: Any, params: Any) -> None:
+    """`opt_state` is what `optimizer.init(params)` makes (the same tree and kinds of state).
+
+    Raises:
+      ValueError: for a state from another optimizer, naming both trees' kinds.
+    """
+    made = jax.tree.structure(jax.eval_shape(optimizer.init, params))
+    if made != jax.tree.structure(opt_state):
+        raise ValueError(
+            "the state's optimizer state was made by another optimizer (its "
+            f"{_kinds(opt_state)}, this step's optimizer makes {_kinds(made)}): pass a state "
+            "that this step's init made, or restore a checkpoint into step.abstract_state"
+        )
+
+
+def _kinds(tree: Any) -> str:
+    """The optax state types in `tree` (a pytree or a treedef)."""
+    text = str(tree if isinstance(tree, jax.tree_util.PyTreeDef) else jax.tree.structure(tree))
+    kinds = re.findall(r"namedtuple\[(\w+)\]", text)
+    return ", ".join(dict.fromkeys(kinds)) or text[:80]

@@ -97,6 +97,13 @@ class FieldSpec:
         when a strategy that sets it is used).
       paddle_default: Paddle's default where the seed documents (our contract) give another;
         prototxt files always record such fields, so Paddle reads the value fleetjax means.
+      kind: what the field is in fleetjax (docs/knobs.md's legend: "feature", "XLA flag",
+        "XLA default", "no JAX meaning", "not yet"); "" for the default, "no JAX meaning"
+        with a note, else "feature".
+      when: what fleetjax does when it is set ("applied", "warns", "raises", "silent"); ""
+        for the default, "warns" with a note, "raises" for "not yet", else "applied".
+      doc: its effect in fleetjax, as docs/knobs.md says (`fleetjax.knobs` makes the tables);
+        "" with a note: the note.
     """
 
     name: str
@@ -107,6 +114,9 @@ class FieldSpec:
     check: Check | None = None
     note: str | None = None
     paddle_default: Any = None
+    kind: str = ""
+    when: str = ""
+    doc: str = ""
 
     @property
     def repeated(self) -> bool:
@@ -166,9 +176,14 @@ def field(
     check: Check | None = None,
     note: str | None = None,
     paddle_default: Any = None,
+    kind: str = "",
+    when: str = "",
+    doc: str = "",
 ) -> FieldSpec:
     """Shorthand for `FieldSpec`; a list default makes the field repeated."""
-    return FieldSpec(name, type, default, number, paddle, check, note, paddle_default)
+    return FieldSpec(
+        name, type, default, number, paddle, check, note, paddle_default, kind, when, doc
+    )
 
 
 def message(

@@ -3,8 +3,8 @@
 On a mesh of GPUs that `fleetjax.targets` knows (compile-only devices of a target, or real GPUs
 of that kind) it also says what the step needs of the GPU: per-device HBM against the GPU's
 memory, pinned host bytes, every collective with its mesh axis, its bytes and whether XLA made
-it asynchronous, and a step time estimated with the roofline model of `fleetjax.auto` (its
-cost model, with the GPU's constants from `fleetjax.targets`).
+it asynchronous, and a step time estimated with the roofline model of `fleetjax.cost`, with the
+GPU's constants from `fleetjax.targets`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from fleetjax import hlo, targets
-from fleetjax.auto._cost import Seconds, collective_seconds, device_spec, step_cost
-from fleetjax.auto._memory import compiled_bytes, device_bytes
-from fleetjax.auto._memory import formula as state_formula
+from fleetjax.cost import Seconds, collective_seconds, compiled_bytes, device_bytes, step_cost
 from fleetjax.step import TrainStep
 
 MiB, GiB = 2**20, 2**30
@@ -189,6 +187,9 @@ class Explanation:
             for c in self.collectives
         ]
         parts.append("</table>")
+        if self.traffic:
+            lines = ["payload per mesh axis and step:", *map(_traffic_line, self.traffic)]
+            parts.append("<pre>" + html.escape("\n".join(lines)) + "</pre>")
         if self.gpu is not None:
             parts.append("<pre>" + html.escape("\n".join(_estimate_lines(self.gpu))) + "</pre>")
         return "".join(parts)
@@ -271,7 +272,7 @@ class _Uses(dict[tuple, tuple[int, int, float]]):
 def _collective_uses(text: str, mesh: Mesh, gpu: bool) -> tuple[CollectiveUse, ...]:
     """The collectives of a compiled module, each counted as often as one call runs it."""
     hosts = [d.process_index for d in mesh.devices.flat]
-    spec = device_spec(mesh.devices.flat[0]) if gpu else None
+    spec = targets.device_spec(mesh.devices.flat[0]) if gpu else None
 
     def of_line(line: str, shapes: Mapping[str, tuple[int, ...]]) -> _Uses:
         uses = _Uses()
@@ -321,16 +322,19 @@ def _traffic(
     return tuple(AxisTraffic(a, b, formula_of(a)) for a, b in sorted(payload.items()) if a)
 
 
-def _gpu_estimate(step: TrainStep, compiled: Any, target: targets.Target) -> GpuEstimate:
+def _gpu_estimate(
+    step: TrainStep, compiled: Any, target: targets.Target, offloaded: int
+) -> GpuEstimate:
+    """What `compiled` needs of `target`, whose optimizer state of `offloaded` bytes per device
+    lives in pinned host memory (`optimize_offload`)."""
     memory = compiled.memory_analysis()
     peak, host, note = compiled_bytes(memory), memory.host_argument_size_in_bytes, ""
     host += memory.host_temp_size_in_bytes
-    offloaded = state_formula(step).host
     if offloaded and not memory.host_argument_size_in_bytes:
         # Compile-only devices have no host memory: XLA kept the state on the device.
         peak, host = peak - offloaded, host + offloaded
         note = "the optimizer state's placement: compile-only devices cannot show it"
-    spec = device_spec(step.mesh.devices.flat[0], half_precision=step.plan.amp is not None)
+    spec = targets.device_spec(step.mesh.devices.flat[0], half_precision=step.plan.amp is not None)
     cost = step_cost(compiled, spec, step.mesh)._replace(host_bytes=2.0 * offloaded)
     return GpuEstimate(
         target.description,
@@ -371,13 +375,16 @@ def explain(
     compiled = step.lower(state, batch).compile()
     memory = compiled.memory_analysis()
     abstract = jax.eval_shape(lambda s: s, state)
-    placement = step.placement
+    placement = step.spec(state).placement
     if placement.grads is None:  # per-replica optimizers: each device's own full gradient
         grads = device_bytes(abstract.params, placement.params)
         if not step.plan.replica_params:  # replicated parameters, one full gradient
             grads = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract.params))
     else:
         grads = device_bytes(abstract.params, placement.grads)
+    offloaded = 0
+    if step.plan.optimizer_offload:
+        offloaded = device_bytes(abstract.opt_state, placement.opt_state)
     target = targets.of(step.mesh.devices.flat[0])
     uses = _collective_uses(compiled.as_text(), step.mesh, target is not None)
     report = Explanation(
@@ -389,7 +396,7 @@ def explain(
         outputs=memory.output_size_in_bytes,
         host_arguments=memory.host_argument_size_in_bytes,
         collectives=uses,
-        gpu=None if target is None else _gpu_estimate(step, compiled, target),
+        gpu=None if target is None else _gpu_estimate(step, compiled, target, offloaded),
         traffic=() if target is None else _traffic(uses, step.mesh, formula),
     )
     if show:

@@ -12,9 +12,12 @@ where the seed documents say otherwise; those fields carry `paddle_default` and 
 
 from __future__ import annotations
 
+from typing import Any
+
 from fleetjax._config import (
     Check,
     Enum,
+    FieldSpec,
     MessageSpec,
     at_least,
     between,
@@ -25,7 +28,7 @@ from fleetjax._config import (
 )
 
 # Paddle spellings of pipeline schedules (static fleet, auto-parallel and dygraph registries).
-SCHEDULE_MODES = ("1F1B", "F-then-B", "FThenB", "VPP", "Eager1F1B", "ZBH1", "ZBVPP")
+PADDLE_SCHEDULE_MODES = ("1F1B", "F-then-B", "FThenB", "VPP", "Eager1F1B", "ZBH1", "ZBVPP")
 
 # The plain policies of `jax.checkpoint_policies`, for the `policy` extension key of recompute.
 REMAT_POLICIES = (
@@ -40,9 +43,10 @@ _remat_policy = one_of("", *REMAT_POLICIES)
 _half = one_of("float16", "bfloat16")
 _merge_mode = one_of("across_calls", "in_step")
 
-# Axes Paddle's hybrid topology knows; fleetjax's mesh has dp, pp, sharding and mp.
+# Axes Paddle's hybrid topology knows, in its default order (`hybrid_configs["order"]`);
+# fleetjax.mesh.AXES says which of them a mesh has.
 HYBRID_AXES = ("dp", "pp", "sharding", "sep", "cp", "mp")
-DEFAULT_ORDER = ["dp", "pp", "sharding", "sep", "cp", "mp"]
+PADDLE_ORDER = list(HYBRID_AXES)
 
 _PS = (
     "a setting of Paddle's parameter-server runtime (its server processes, trainer dumps, "
@@ -88,6 +92,20 @@ _ZERO_EVEN = (
     "ZeRO here splits every large tensor evenly over the sharding axis (zero_spec) "
     "instead of assigning whole tensors to ranks"
 )
+
+# Effects several knobs share (docs/knobs.md).
+_COMM_BUFFER = (
+    "`--xla_gpu_all_gather_combine_threshold_bytes` and "
+    "`--xla_gpu_reduce_scatter_combine_threshold_bytes` = this many MiB: ZeRO's communication "
+    "buckets."
+)
+_QAT_OFF = "Quantization-aware training is not implemented (`qat` raises)."
+_XLA_FUSES = (
+    "XLA fuses these operations by itself (elementwise chains; bias and activation epilogues "
+    "where the backend supports them). False cannot be honoured and warns once."
+)
+_AMP = "Mixed precision: per-operation autocast and loss scaling (`fleetjax.transforms.amp`)."
+_AUTO_QAT_OFF = "Quantization-aware training is not implemented (`qat.enable` raises)."
 
 _positive = at_least(1)
 _non_negative = at_least(0)
@@ -137,41 +155,156 @@ RECOMPUTE_CONFIG = message(
     "RecomputeConfig",
     "recompute_configs",
     [
-        field(1, "checkpoints", str, []),
-        field(2, "enable_offload", bool, False),
-        field(3, "checkpoint_shape", int, [], check=_positive),
-        field(4, "enable_tuning", bool, False, note=_RECOMPUTE_POLICY),
-        field(5, "refined_ops_patterns", REFINED_OPS_PATTERN, [], note=_RECOMPUTE_POLICY),
+        field(
+            1,
+            "checkpoints",
+            str,
+            [],
+            doc=("The activations (named with `fleetjax.checkpoint_name`) that recompute keeps."),
+        ),
+        field(
+            2,
+            "enable_offload",
+            bool,
+            False,
+            doc=(
+                "Kept activations go to pinned host memory (`save_and_offload_only_these_names`)."
+            ),
+        ),
+        field(
+            3,
+            "checkpoint_shape",
+            int,
+            [],
+            check=_positive,
+            doc="The shape of the kept activations, checked against them.",
+        ),
+        field(4, "enable_tuning", bool, False, note=_RECOMPUTE_POLICY, kind="not yet"),
+        field(
+            5,
+            "refined_ops_patterns",
+            REFINED_OPS_PATTERN,
+            [],
+            note=_RECOMPUTE_POLICY,
+            kind="not yet",
+        ),
         # fleetjax: a named jax.checkpoint_policies policy, alone or with the checkpoints.
-        field(1001, "policy", str, "", paddle=False, check=_remat_policy),
+        field(
+            1001,
+            "policy",
+            str,
+            "",
+            paddle=False,
+            check=_remat_policy,
+            doc=(
+                "fleetjax extension: a `jax.checkpoint_policies` name, alone or with `checkpoints`."
+            ),
+        ),
     ],
 )
+
+
+def _loss_scaling(first: int, **decr_ratio: Any) -> list[FieldSpec]:
+    """The loss-scaling fields both AMP sections have, numbered from `first`; `decr_ratio` is
+    the default (and Paddle's default) of that one."""
+    return [
+        field(
+            first,
+            "init_loss_scaling",
+            float,
+            32768.0,
+            check=greater_than(0),
+            doc="The initial loss scale.",
+        ),
+        field(
+            first + 1,
+            "incr_every_n_steps",
+            int,
+            1000,
+            check=_positive,
+            doc="Finite steps before the loss scale grows.",
+        ),
+        field(
+            first + 2,
+            "decr_every_n_nan_or_inf",
+            int,
+            2,
+            check=_positive,
+            doc="Non-finite steps before the loss scale shrinks.",
+        ),
+        field(
+            first + 3,
+            "incr_ratio",
+            float,
+            2.0,
+            check=greater_than(1),
+            doc="The loss scale's growth factor.",
+        ),
+        field(
+            first + 4,
+            "decr_ratio",
+            float,
+            check=between(0, 1),
+            doc="The loss scale's shrink factor.",
+            **decr_ratio,
+        ),
+    ]
+
 
 AMP_CONFIG = message(
     "AMPConfig",
     "amp_configs",
     [
-        field(1, "init_loss_scaling", float, 32768.0, check=greater_than(0)),
-        field(2, "incr_every_n_steps", int, 1000, check=_positive),
-        field(3, "decr_every_n_nan_or_inf", int, 2, check=_positive),
-        field(4, "incr_ratio", float, 2.0, check=greater_than(1)),
-        field(5, "decr_ratio", float, 0.5, check=between(0, 1), paddle_default=0.8),
-        field(6, "use_dynamic_loss_scaling", bool, True),
-        field(7, "custom_white_list", str, []),
-        field(8, "custom_black_list", str, []),
-        field(9, "custom_black_varnames", str, []),
-        field(10, "use_pure_fp16", bool, False),
-        field(11, "use_fp16_guard", bool, True),
+        *_loss_scaling(1, default=0.5, paddle_default=0.8),
+        field(
+            6,
+            "use_dynamic_loss_scaling",
+            bool,
+            True,
+            doc=("Dynamic loss scaling (skip non-finite steps); False keeps the scale fixed."),
+        ),
+        field(7, "custom_white_list", str, [], doc="Operations added to the half-precision list."),
+        field(8, "custom_black_list", str, [], doc="Operations kept in float32."),
+        field(
+            9,
+            "custom_black_varnames",
+            str,
+            [],
+            doc="Named values (`checkpoint_name`) whose consumers stay float32.",
+        ),
+        field(
+            10,
+            "use_pure_fp16",
+            bool,
+            False,
+            doc="O2: float16 parameters for compute, float32 master weights.",
+        ),
+        field(
+            11,
+            "use_fp16_guard",
+            bool,
+            True,
+            doc=("Under pure float16, only code inside `fleetjax.fp16_guard` runs in float16."),
+        ),
         field(
             12,
             "use_optimizer_fp16",
             bool,
             False,
             note="not read by Paddle's fleet either; optimizer states stay float32",
+            kind="not yet",
         ),
-        field(13, "use_pure_bf16", bool, False),
+        field(13, "use_pure_bf16", bool, False, doc="O2 in bfloat16."),
         # fleetjax: the O1 half-precision dtype (Paddle's static O1 is float16 only).
-        field(1001, "dtype", str, "float16", paddle=False, check=_half),
+        field(
+            1001,
+            "dtype",
+            str,
+            "float16",
+            paddle=False,
+            check=_half,
+            doc=("fleetjax extension: the O1 half-precision dtype, `float16` or `bfloat16`."),
+        ),
     ],
     hints={"use_bf16": "the bf16 switch is 'use_pure_bf16'"},
 )
@@ -180,8 +313,15 @@ LOCALSGD_CONFIG = message(
     "LocalSGDConfig",
     "localsgd_configs",
     [
-        field(1, "k_steps", int, 1, check=_positive),
-        field(2, "begin_step", int, 1, check=_non_negative),
+        field(1, "k_steps", int, 1, check=_positive, doc="Steps between parameter averages."),
+        field(
+            2,
+            "begin_step",
+            int,
+            1,
+            check=_non_negative,
+            doc="Every step is averaged before this step.",
+        ),
     ],
 )
 
@@ -189,11 +329,33 @@ GRADIENT_MERGE_CONFIG = message(
     "GradientMergeConfig",
     "gradient_merge_configs",
     [
-        field(1, "k_steps", int, 1, check=_positive),
-        field(2, "avg", bool, True),
+        field(1, "k_steps", int, 1, check=_positive, doc="Micro-steps merged into one update."),
+        field(
+            2,
+            "avg",
+            bool,
+            True,
+            doc=(
+                "Mean (True) or sum of the merged gradients. In one step under the "
+                "pipeline always the mean, as in Paddle (False warns)."
+            ),
+        ),
         # fleetjax: "across_calls" (Paddle's: the optimizer runs every k calls) or "in_step"
         # (each call splits its batch into k micro-batches).
-        field(1001, "mode", str, "across_calls", paddle=False, check=_merge_mode),
+        field(
+            1001,
+            "mode",
+            str,
+            "across_calls",
+            paddle=False,
+            check=_merge_mode,
+            doc=(
+                "fleetjax extension: `across_calls` (Paddle's: the optimizer runs every k "
+                "calls) or `in_step` (each call splits its batch; under the pipeline, "
+                "into its `k_steps` micro-batches, so `accumulate_steps` is 1 or "
+                "`k_steps`)."
+            ),
+        ),
     ],
 )
 
@@ -201,9 +363,31 @@ DGC_CONFIG = message(
     "DGCConfig",
     "dgc_configs",
     [
-        field(1, "rampup_begin_step", int, 0, check=_non_negative),
-        field(2, "rampup_step", int, 1, check=_positive),
-        field(3, "sparsity", float, [0.999], check=_sparsity, paddle_default=[]),
+        field(
+            1,
+            "rampup_begin_step",
+            int,
+            0,
+            check=_non_negative,
+            doc="Dense momentum before this step.",
+        ),
+        field(
+            2,
+            "rampup_step",
+            int,
+            1,
+            check=_positive,
+            doc="Steps over which the sparsity list is walked.",
+        ),
+        field(
+            3,
+            "sparsity",
+            float,
+            [0.999],
+            check=_sparsity,
+            paddle_default=[],
+            doc="The sparsity schedule.",
+        ),
     ],
 )
 
@@ -211,9 +395,31 @@ PIPELINE_CONFIG = message(
     "PipelineConfig",
     "pipeline_configs",
     [
-        field(1, "micro_batch_size", int, 1, check=_positive),
-        field(2, "accumulate_steps", int, 1, check=_positive),
-        field(3, "schedule_mode", str, "1F1B", check=one_of(*SCHEDULE_MODES)),
+        field(1, "micro_batch_size", int, 1, check=_positive, doc="The size of one micro-batch."),
+        field(
+            2,
+            "accumulate_steps",
+            int,
+            1,
+            check=_positive,
+            doc=(
+                "Micro-batches per step; in-step gradient merge's `k_steps` sets it (they "
+                "must agree where both are set)."
+            ),
+        ),
+        field(
+            3,
+            "schedule_mode",
+            str,
+            "1F1B",
+            check=one_of(*PADDLE_SCHEDULE_MODES),
+            doc=(
+                "The schedule (`fleetjax.transforms.pipeline.pipeline_schedule`): `1F1B`, "
+                "`Eager1F1B` (the same lockstep table, Paddle's `m >= 2P - 1`), "
+                "`F-then-B`/`FThenB`, `VPP`, or the zero-bubble `ZBH1` and `ZBVPP`, whose "
+                "backward is split into its input- and weight-gradient halves."
+            ),
+        ),
         field(4, "p2p_cache_shape", bool, True, note="shapes are static under XLA"),
         field(
             5,
@@ -234,7 +440,18 @@ ASYNC_CONFIG = message(
     "a_sync_configs",
     [
         # a_sync=True with k_steps > 0: Geo-SGD every k_steps (fleetjax.optimizers.geo_sgd).
-        field(1, "k_steps", int, -1),
+        field(
+            1,
+            "k_steps",
+            int,
+            -1,
+            doc=(
+                "Geo-SGD's exchange interval when `a_sync` is set to True "
+                "(`fleetjax.optimizers.geo_sgd`, "
+                "`fleetjax.transforms.sparse_rows.geo_exchange`); without that (`a_sync` "
+                "left at its default, a collective strategy, or False) it warns."
+            ),
+        ),
         field(2, "max_merge_var_num", int, 1, note=_PS_RUNTIME),
         field(3, "send_queue_size", int, 16, note=_PS_RUNTIME),
         field(4, "independent_recv_thread", bool, False, note=_PS_RUNTIME),
@@ -254,10 +471,16 @@ LARS_CONFIG = message(
     "LarsConfig",
     "lars_configs",
     [
-        field(1, "lars_coeff", float, 0.001, check=_non_negative),
-        field(2, "lars_weight_decay", float, 0.0005, check=_non_negative),
-        field(3, "epsilon", float, 0.0, check=_non_negative),
-        field(4, "exclude_from_weight_decay", str, []),
+        field(1, "lars_coeff", float, 0.001, check=_non_negative, doc="LARS trust coefficient."),
+        field(2, "lars_weight_decay", float, 0.0005, check=_non_negative, doc="LARS weight decay."),
+        field(3, "epsilon", float, 0.0, check=_non_negative, doc="LARS denominator epsilon."),
+        field(
+            4,
+            "exclude_from_weight_decay",
+            str,
+            [],
+            doc="Parameter-name substrings without weight decay (and trust ratio).",
+        ),
     ],
 )
 
@@ -265,8 +488,14 @@ LAMB_CONFIG = message(
     "LambConfig",
     "lamb_configs",
     [
-        field(1, "lamb_weight_decay", float, 0.01, check=_non_negative),
-        field(2, "exclude_from_weight_decay", str, []),
+        field(1, "lamb_weight_decay", float, 0.01, check=_non_negative, doc="LAMB weight decay."),
+        field(
+            2,
+            "exclude_from_weight_decay",
+            str,
+            [],
+            doc="Parameter-name suffixes without weight decay.",
+        ),
     ],
 )
 
@@ -274,8 +503,15 @@ ADAPTIVE_LOCALSGD_CONFIG = message(
     "AdaptiveLocalSGDConfig",
     "adaptive_localsgd_configs",
     [
-        field(1, "init_k_steps", int, 1, check=_positive),
-        field(2, "begin_step", int, 1, check=_non_negative),
+        field(1, "init_k_steps", int, 1, check=_positive, doc="The first averaging interval."),
+        field(
+            2,
+            "begin_step",
+            int,
+            1,
+            check=_non_negative,
+            doc="Every step is averaged before this step.",
+        ),
     ],
 )
 
@@ -293,8 +529,20 @@ SHARDING_CONFIG = message(
                 "XLA groups the parameter all-gathers by size (segment_broadcast_MB maps to its "
                 "combine threshold), not by anchors"
             ),
+            kind="not yet",
         ),
-        field(2, "segment_broadcast_MB", float, 32.0, check=greater_than(0)),
+        field(
+            2,
+            "segment_broadcast_MB",
+            float,
+            32.0,
+            check=greater_than(0),
+            kind="XLA flag",
+            doc=(
+                "With `sharding` on: ZeRO's parameter all-gathers are combined up to this "
+                "size (`--xla_gpu_all_gather_combine_threshold_bytes`)."
+            ),
+        ),
         field(
             3,
             "segment_anchors",
@@ -304,24 +552,89 @@ SHARDING_CONFIG = message(
                 "XLA groups the parameter all-gathers by size (segment_broadcast_MB maps to its "
                 "combine threshold), not by anchors"
             ),
+            kind="not yet",
         ),
-        field(4, "sharding_degree", int, 8, check=_positive),
-        field(5, "mp_degree", int, 1, check=_positive),
-        field(6, "dp_degree", int, 1, check=_positive),
+        field(
+            4,
+            "sharding_degree",
+            int,
+            8,
+            check=_positive,
+            doc=("The `sharding` mesh axis size (Paddle's default 8) when `sharding` is on."),
+        ),
+        field(
+            5,
+            "mp_degree",
+            int,
+            1,
+            check=_positive,
+            doc="The `mp` mesh axis size when `sharding` is on.",
+        ),
+        field(
+            6,
+            "dp_degree",
+            int,
+            1,
+            check=_positive,
+            doc="The `dp` mesh axis size when `sharding` is on.",
+        ),
         field(7, "hybrid_dp", bool, False, note="deprecated in Paddle: dp_degree >= 2 implies it"),
-        field(8, "gradient_merge_acc_step", int, 1, check=_positive),
-        field(9, "optimize_offload", bool, False),
-        field(10, "pp_allreduce_in_optimize", bool, False),
-        field(11, "pp_degree", int, 1, check=_positive),
+        field(
+            8,
+            "gradient_merge_acc_step",
+            int,
+            1,
+            check=_positive,
+            doc=(
+                "Gradient merge across calls under sharding. Under the pipeline it warns "
+                "and has no effect: Paddle's sharding merges the pipeline's "
+                "`accumulate_steps` micro-batches instead."
+            ),
+        ),
+        field(
+            9,
+            "optimize_offload",
+            bool,
+            False,
+            doc="The optimizer state lives in pinned host memory.",
+        ),
+        field(
+            10,
+            "pp_allreduce_in_optimize",
+            bool,
+            False,
+            kind="XLA default",
+            doc=(
+                "The pipeline reduces gradients over the data axes once, after its loop, "
+                "before the optimizer (`fleetjax.transforms.pipeline`; in half precision "
+                "under `fp16_allreduce`)."
+            ),
+        ),
+        field(
+            11,
+            "pp_degree",
+            int,
+            1,
+            check=_positive,
+            doc="The `pp` mesh axis size when `sharding` is on.",
+        ),
         field(
             12,
             "optimize_cast",
             bool,
             False,
             note="parameters stay float32 master weights; AMP casts them inside the step",
+            kind="not yet",
         ),
         field(13, "_dp_as_optimizer_sharding", bool, False, note=_STATIC),
-        field(14, "stage", int, 1, check=one_of(1, 2, 3)),
+        field(
+            14,
+            "stage",
+            int,
+            1,
+            check=one_of(1, 2, 3),
+            doc="The ZeRO stage: 1 optimizer state, 2 + gradients, 3 + parameters.",
+        ),
         field(15, "enable_tuning", bool, False, note=_STATIC),
         field(16, "use_calc_stream", bool, False, note=_STATIC),
     ],
@@ -331,24 +644,54 @@ MP_CONFIG = message(
     "MpConfig",
     "mp_configs",
     [
-        field(1, "sync_param", bool, True, note=_SPMD_SYNC),
-        field(2, "sync_grad", bool, False, note=_SPMD_SYNC),
-        field(3, "sync_moment", bool, False, note=_SPMD_SYNC),
+        field(1, "sync_param", bool, True, note=_SPMD_SYNC, kind="not yet"),
+        field(2, "sync_grad", bool, False, note=_SPMD_SYNC, kind="not yet"),
+        field(3, "sync_moment", bool, False, note=_SPMD_SYNC, kind="not yet"),
         field(
-            4, "sync_mode", str, "broadcast", check=one_of("broadcast", "average"), note=_SPMD_SYNC
+            4,
+            "sync_mode",
+            str,
+            "broadcast",
+            check=one_of("broadcast", "average"),
+            note=_SPMD_SYNC,
+            kind="not yet",
         ),
-        field(5, "mp_async_allreduce", bool, False, note=_XLA_OVERLAP),
-        field(6, "mp_skip_c_identity", bool, False, note=_XLA_LAYOUT),
-        field(7, "mp_fused_linear_param_grad_add", bool, False, note=_XLA_LAYOUT),
+        field(5, "mp_async_allreduce", bool, False, note=_XLA_OVERLAP, kind="not yet"),
+        field(6, "mp_skip_c_identity", bool, False, note=_XLA_LAYOUT, kind="not yet"),
+        field(7, "mp_fused_linear_param_grad_add", bool, False, note=_XLA_LAYOUT, kind="not yet"),
         field(
             8,
             "need_broadcast_data",
             bool,
             True,
             note="the train step places every batch on the mesh itself",
+            kind="not yet",
         ),
-        field(9, "recompute_allgather", bool, False),
-        field(10, "sp_async_reduce_scatter", bool, False),
+        field(
+            9,
+            "recompute_allgather",
+            bool,
+            False,
+            doc=(
+                "`ColumnSequenceParallelLinear` keeps its input as it arrives, split "
+                "along the sequence over `mp`, and all-gathers it again in the backward "
+                "pass instead of keeping the gathered input "
+                "(`fleetjax.layers.sequence_parallel`)."
+            ),
+        ),
+        field(
+            10,
+            "sp_async_reduce_scatter",
+            bool,
+            False,
+            kind="XLA default",
+            when="silent",
+            doc=(
+                "XLA:GPU runs the reduce-scatter of a sequence-parallel column layer's "
+                "input gradient asynchronously, and its scheduler overlaps it with the "
+                "weight gradient's matmul, as this option makes Paddle do."
+            ),
+        ),
         field(11, "nccl_config", NCCL_CONFIG, note=_NCCL_NOTE),
         # Python-only in Paddle (DistributedStrategy.sync_param_name).
         field(
@@ -358,6 +701,7 @@ MP_CONFIG = message(
             ["embedding", "layer_norm", ".b_"],
             paddle=False,
             note=_SPMD_SYNC,
+            kind="not yet",
         ),
     ],
 )
@@ -366,24 +710,32 @@ PP_CONFIG = message(
     "PpConfig",
     "pp_configs",
     [
-        field(1, "dp_comm_overlap", bool, False, note=_XLA_OVERLAP),
+        field(1, "dp_comm_overlap", bool, False, note=_XLA_OVERLAP, kind="not yet"),
         field(
             2,
             "delay_scale_loss",
             bool,
             False,
             note="the pipeline's loss is the exact mean over micro-batches whenever it is scaled",
+            kind="not yet",
         ),
-        field(3, "enable_timer", bool, False, note=_PROFILER),
-        field(4, "sharding_comm_overlap", bool, False, note=_XLA_OVERLAP),
-        field(5, "profiling", bool, False, note=_PROFILER),
-        field(6, "release_gradients", bool, False, note=_XLA_FREES),
-        field(7, "overlap_p2p_comm", bool, False, note=_XLA_OVERLAP),
-        field(8, "clear_every_step_cache", bool, False, note=_XLA_FREES),
-        field(9, "use_batch_p2p_comm", bool, True, note=_XLA_OVERLAP),
-        field(10, "best_unbalanced_scheduler", bool, False, note=_SCHEDULE_HINT),
-        field(11, "enable_offload_queue", bool, False, note=_XLA_FREES),
-        field(12, "enable_dynamic_shape", bool, False, note="XLA compiles static shapes"),
+        field(3, "enable_timer", bool, False, note=_PROFILER, kind="not yet"),
+        field(4, "sharding_comm_overlap", bool, False, note=_XLA_OVERLAP, kind="not yet"),
+        field(5, "profiling", bool, False, note=_PROFILER, kind="not yet"),
+        field(6, "release_gradients", bool, False, note=_XLA_FREES, kind="not yet"),
+        field(7, "overlap_p2p_comm", bool, False, note=_XLA_OVERLAP, kind="not yet"),
+        field(8, "clear_every_step_cache", bool, False, note=_XLA_FREES, kind="not yet"),
+        field(9, "use_batch_p2p_comm", bool, True, note=_XLA_OVERLAP, kind="not yet"),
+        field(10, "best_unbalanced_scheduler", bool, False, note=_SCHEDULE_HINT, kind="not yet"),
+        field(11, "enable_offload_queue", bool, False, note=_XLA_FREES, kind="not yet"),
+        field(
+            12,
+            "enable_dynamic_shape",
+            bool,
+            False,
+            note="XLA compiles static shapes",
+            kind="not yet",
+        ),
         field(
             13,
             "use_dualpipev",
@@ -393,15 +745,24 @@ PP_CONFIG = message(
                 "the DualPipeV schedule is not in fleetjax; the pipeline runs "
                 "pipeline_configs.schedule_mode"
             ),
+            kind="not yet",
         ),
-        field(14, "forward_backward_overlap_scheduler", bool, False, note=_XLA_OVERLAP),
+        field(
+            14, "forward_backward_overlap_scheduler", bool, False, note=_XLA_OVERLAP, kind="not yet"
+        ),
         field(15, "coll_nccl_config", NCCL_CONFIG, note=_NCCL_NOTE),
         field(16, "p2p_nccl_config", NCCL_CONFIG, note=_NCCL_NOTE),
         field(17, "shared_nccl_config", NCCL_CONFIG, note=_NCCL_NOTE),
-        field(18, "sync_param", bool, False, note=_SPMD_SYNC),
-        field(19, "sync_moment", bool, False, note=_SPMD_SYNC),
+        field(18, "sync_param", bool, False, note=_SPMD_SYNC, kind="not yet"),
+        field(19, "sync_moment", bool, False, note=_SPMD_SYNC, kind="not yet"),
         field(
-            20, "sync_mode", str, "broadcast", check=one_of("broadcast", "average"), note=_SPMD_SYNC
+            20,
+            "sync_mode",
+            str,
+            "broadcast",
+            check=one_of("broadcast", "average"),
+            note=_SPMD_SYNC,
+            kind="not yet",
         ),
     ],
 )
@@ -410,7 +771,7 @@ DYGRAPH_SHARDING_CONFIG = message(
     "DygraphShardingConfig",
     "hybrid_configs.sharding_configs",
     [
-        field(1, "tensor_fusion", bool, False, note=_XLA_LAYOUT),
+        field(1, "tensor_fusion", bool, False, note=_XLA_LAYOUT, kind="not yet"),
         field(
             2,
             "accumulate_steps",
@@ -418,21 +779,37 @@ DYGRAPH_SHARDING_CONFIG = message(
             1,
             check=_positive,
             note="a hint that the user accumulates gradients; merge them with gradient_merge",
+            kind="not yet",
         ),
-        field(3, "comm_overlap", bool, False, note=_XLA_OVERLAP),
-        field(4, "split_param", bool, False),
-        field(5, "fuse_optimizer", bool, True, note=_XLA_LAYOUT),
+        field(3, "comm_overlap", bool, False, note=_XLA_OVERLAP, kind="not yet"),
+        field(
+            4,
+            "split_param",
+            bool,
+            False,
+            doc="With `sharding_degree > 1`: ZeRO stage 2 instead of 1.",
+        ),
+        field(5, "fuse_optimizer", bool, True, note=_XLA_LAYOUT, kind="not yet"),
         field(
             6,
             "use_reduce_avg",
             bool,
             True,
             note="the step averages gradients over the replicas in any case",
+            kind="not yet",
         ),
-        field(7, "comm_buffer_size_MB", int, 256, check=_positive),
-        field(8, "release_gradients", bool, False, note=_XLA_FREES),
-        field(9, "free_grads_in_comm", bool, False, note=_XLA_FREES),
-        field(10, "enable_fuse_optimizer_states", bool, False, note=_XLA_LAYOUT),
+        field(
+            7,
+            "comm_buffer_size_MB",
+            int,
+            256,
+            check=_positive,
+            kind="XLA flag",
+            doc=_COMM_BUFFER,
+        ),
+        field(8, "release_gradients", bool, False, note=_XLA_FREES, kind="not yet"),
+        field(9, "free_grads_in_comm", bool, False, note=_XLA_FREES, kind="not yet"),
+        field(10, "enable_fuse_optimizer_states", bool, False, note=_XLA_LAYOUT, kind="not yet"),
         field(11, "nccl_config", NCCL_CONFIG, note=_NCCL_NOTE),
         field(12, "check_nccl_config", NCCL_CONFIG, note=_NCCL_NOTE),
         field(
@@ -444,6 +821,7 @@ DYGRAPH_SHARDING_CONFIG = message(
                 "partial offload is not in fleetjax; sharding_configs.optimize_offload moves the "
                 "whole optimizer state"
             ),
+            kind="not yet",
         ),
     ],
 )
@@ -453,20 +831,87 @@ HYBRID_CONFIG = message(
     "HybridConfig",
     "hybrid_configs",
     [
-        field(1, "dp_degree", int, -1, check=_dp_degree),
-        field(2, "mp_degree", int, 1, check=_positive),
-        field(3, "pp_degree", int, 1, check=_positive),
-        field(4, "sharding_degree", int, 1, check=_positive),
-        field(5, "sep_degree", int, 1, check=_positive),
+        field(
+            1,
+            "dp_degree",
+            int,
+            -1,
+            check=_dp_degree,
+            doc="The `dp` mesh axis size (-1: the devices the other axes leave).",
+        ),
+        field(
+            2,
+            "mp_degree",
+            int,
+            1,
+            check=_positive,
+            doc=(
+                "The `mp` mesh axis size; above 1, parameters must be split over it "
+                "(`param_specs`), else `make_train_step` raises."
+            ),
+        ),
+        field(
+            3,
+            "pp_degree",
+            int,
+            1,
+            check=_positive,
+            doc="The `pp` mesh axis size; above 1 the step is a pipeline.",
+        ),
+        field(
+            4,
+            "sharding_degree",
+            int,
+            1,
+            check=_positive,
+            doc=(
+                "The `sharding` mesh axis size; above 1, ZeRO stage 1 (2 with "
+                "`sharding_configs.split_param`), Paddle's dygraph rule."
+            ),
+        ),
+        field(
+            5,
+            "sep_degree",
+            int,
+            1,
+            check=_positive,
+            doc=(
+                "The `sep` mesh axis (segment parallelism), in the mesh above 1: the sequence "
+                "split over it, and `fleetjax.layers.attention` trades the split for one of the "
+                "heads by all-to-all around attention (Ulysses); the heads must divide by `mp` x "
+                "`sep` ([Long sequences](long_sequences.md))."
+            ),
+        ),
         field(6, "mp_configs", MP_CONFIG),
         field(7, "pp_configs", PP_CONFIG),
         field(8, "sharding_configs", DYGRAPH_SHARDING_CONFIG),
-        field(9, "enable_optimizer_timer", bool, False, note=_PROFILER),
+        field(9, "enable_optimizer_timer", bool, False, note=_PROFILER, kind="not yet"),
         field(
-            10, "split_norm_comm", bool, False, note="XLA reduces a global norm in one all-reduce"
+            10,
+            "split_norm_comm",
+            bool,
+            False,
+            note="XLA reduces a global norm in one all-reduce",
+            kind="not yet",
         ),
-        field(11, "ep_degree", int, 1, check=_positive),
-        field(12, "moe_sharding_degree", int, 1, check=_positive),
+        field(
+            11,
+            "ep_degree",
+            int,
+            1,
+            check=_positive,
+            kind="not yet",
+            doc="Above 1: the mesh has no expert-parallel axis yet.",
+        ),
+        field(
+            12,
+            "moe_sharding_degree",
+            int,
+            1,
+            check=_positive,
+            kind="not yet",
+            doc="Above 1: fleetjax's mesh has no mixture-of-experts axis yet.",
+        ),
         field(13, "dp_configs", _comm_group("DpConfig", "dp_configs", "check_nccl_config")),
         field(14, "sep_configs", _comm_group("SepConfig", "sep_configs")),
         field(15, "dp_sep_configs", _comm_group("DpSepConfig", "dp_sep_configs")),
@@ -482,8 +927,34 @@ HYBRID_CONFIG = message(
             "default_comm_group_configs",
             _comm_group("DefaultCommGroupConfig", "default_comm_group_configs"),
         ),
-        field(20, "cp_degree", int, 1, check=_positive),
-        field(21, "cp_sharding_degree", int, 1, check=_positive),
+        field(
+            20,
+            "cp_degree",
+            int,
+            1,
+            check=_positive,
+            doc=(
+                "The `cp` mesh axis (context parallelism), in the mesh above 1: the "
+                "sequence split over it and attention a causal, load-balanced ring over "
+                "it (`fleetjax.layers.attention`). As in Paddle it is carved out of the "
+                "sharding group: it must divide `sharding_degree`, and the `sharding` "
+                "axis keeps `sharding_degree / cp_degree` ([Long "
+                "sequences](long_sequences.md))."
+            ),
+        ),
+        field(
+            21,
+            "cp_sharding_degree",
+            int,
+            1,
+            check=_positive,
+            doc=(
+                "Paddle's `sharding_degree / cp_degree`, the size of the mesh's "
+                "`sharding` axis under context parallelism; another value raises. ZeRO "
+                "splits over `sharding` alone, not also over `cp` as Paddle's sharding "
+                "group does ([Differences](differences.md))."
+            ),
+        ),
         field(22, "cp_configs", _comm_group("CpConfig", "cp_configs")),
         field(23, "cp_sharding_configs", _comm_group("CpShardingConfig", "cp_sharding_configs")),
         field(24, "dp_cp_configs", _comm_group("DpCpConfig", "dp_cp_configs")),
@@ -494,9 +965,10 @@ HYBRID_CONFIG = message(
             1001,
             "order",
             str,
-            list(DEFAULT_ORDER),
+            list(PADDLE_ORDER),
             paddle=False,
             check=one_of(*HYBRID_AXES),
+            doc="The mesh axis order, slowest-varying first.",
         ),
     ],
 )
@@ -505,13 +977,21 @@ TENSOR_PARALLEL_CONFIG = message(
     "TensorParallelConfig",
     "tensor_parallel_configs",
     [
-        field(1, "tensor_parallel_degree", int, 1, check=_positive),
+        field(
+            1,
+            "tensor_parallel_degree",
+            int,
+            1,
+            check=_positive,
+            doc="The `mp` mesh axis size when `tensor_parallel` is on.",
+        ),
         field(
             2,
             "tensor_init_seed",
             int,
             -1,
             note="parameters come initialised from the user's code, with its own keys",
+            kind="not yet",
         ),
     ],
 )
@@ -693,11 +1173,53 @@ QAT_CONFIG = message(
     "QatConfig",
     "qat_configs",
     [
-        field(1, "channel_wise_abs_max", bool, True),
-        field(2, "weight_bits", int, 8, check=_positive),
-        field(3, "activation_bits", int, 8, check=_positive),
-        field(4, "not_quant_pattern", str, []),
-        field(5, "algo", str, ""),
+        field(
+            1,
+            "channel_wise_abs_max",
+            bool,
+            True,
+            kind="not yet",
+            when="silent",
+            doc=_QAT_OFF,
+        ),
+        field(
+            2,
+            "weight_bits",
+            int,
+            8,
+            check=_positive,
+            kind="not yet",
+            when="silent",
+            doc=_QAT_OFF,
+        ),
+        field(
+            3,
+            "activation_bits",
+            int,
+            8,
+            check=_positive,
+            kind="not yet",
+            when="silent",
+            doc=_QAT_OFF,
+        ),
+        field(
+            4,
+            "not_quant_pattern",
+            str,
+            [],
+            kind="not yet",
+            when="silent",
+            doc=_QAT_OFF,
+        ),
+        field(
+            5,
+            "algo",
+            str,
+            "",
+            kind="not yet",
+            when="silent",
+            doc=_QAT_OFF,
+        ),
     ],
 )
 
@@ -774,7 +1296,19 @@ _BUILD_STRATEGY_PYTHON_FIELDS = (
         paddle=False,
         note="Paddle's CINN compiler pass; XLA compiles every train step already",
     ),
-    field(1012, "fuse_adamw", bool, False, paddle=False),
+    field(
+        1012,
+        "fuse_adamw",
+        bool,
+        False,
+        paddle=False,
+        kind="XLA default",
+        when="silent",
+        doc=(
+            "XLA fuses the optimizer's elementwise updates itself (as for "
+            "`fuse_all_optimizer_ops`)."
+        ),
+    ),
     field(1013, "memory_optimize", bool, None, paddle=False, note=_XLA_BUFFERS),
     field(1014, "mkldnn_enabled_op_types", str, [], paddle=False, note=_ONEDNN),
     field(1015, "onednn_enabled_op_types", str, [], paddle=False, note=_ONEDNN),
@@ -786,11 +1320,48 @@ BUILD_STRATEGY = message(
     "build_strategy",
     [
         field(1, "enable_sequential_execution", bool, False, paddle=False, note=_XLA_SCHEDULES),
-        field(2, "fuse_elewise_add_act_ops", bool, False),
-        field(3, "fuse_bn_act_ops", bool, False),
-        field(4, "fuse_relu_depthwise_conv", bool, False),
-        field(5, "fuse_broadcast_ops", bool, False),
-        field(6, "fuse_all_optimizer_ops", bool, False),
+        field(
+            2,
+            "fuse_elewise_add_act_ops",
+            bool,
+            False,
+            kind="XLA default",
+            doc=_XLA_FUSES,
+        ),
+        field(
+            3,
+            "fuse_bn_act_ops",
+            bool,
+            False,
+            kind="XLA default",
+            doc=_XLA_FUSES,
+        ),
+        field(
+            4,
+            "fuse_relu_depthwise_conv",
+            bool,
+            False,
+            kind="XLA default",
+            doc=_XLA_FUSES,
+        ),
+        field(
+            5,
+            "fuse_broadcast_ops",
+            bool,
+            False,
+            kind="XLA default",
+            doc=_XLA_FUSES,
+        ),
+        field(
+            6,
+            "fuse_all_optimizer_ops",
+            bool,
+            False,
+            kind="XLA default",
+            doc=_XLA_FUSES.replace(
+                "once.", "once (XLA:GPU fuses the many small parameter updates horizontally)."
+            ),
+        ),
         field(7, "enable_inplace", bool, False, note=_XLA_BUFFERS),
         field(8, "enable_backward_optimizer_op_deps", bool, True, note=_XLA_SCHEDULES),
         field(
@@ -802,11 +1373,35 @@ BUILD_STRATEGY = message(
                 "a cache of Paddle's per-operator runtime context; a compiled XLA program has none"
             ),
         ),
-        field(10, "fuse_bn_add_act_ops", bool, True),
-        field(11, "enable_auto_fusion", bool, False),
+        field(
+            10,
+            "fuse_bn_add_act_ops",
+            bool,
+            True,
+            kind="XLA default",
+            doc=_XLA_FUSES.replace("once.", "once (this one is True by default, so False warns)."),
+        ),
+        field(
+            11,
+            "enable_auto_fusion",
+            bool,
+            False,
+            kind="XLA default",
+            doc=_XLA_FUSES,
+        ),
         field(12, "enable_addto", bool, False, note=_XLA_BUFFERS),
         field(13, "fix_op_run_order", bool, False, paddle=False, note=_XLA_SCHEDULES),
-        field(14, "allow_cuda_graph_capture", bool, False),
+        field(
+            14,
+            "allow_cuda_graph_capture",
+            bool,
+            False,
+            kind="XLA default",
+            doc=(
+                "XLA:GPU runs fusions and library calls as CUDA graphs (command buffers) "
+                "by default."
+            ),
+        ),
         field(
             15,
             "reduce_strategy",
@@ -819,10 +1414,38 @@ BUILD_STRATEGY = message(
                 "all-reduced"
             ),
         ),
-        field(16, "fuse_gemm_epilogue", bool, False),
-        field(17, "debug_graphviz_path", str, ""),
+        field(
+            16,
+            "fuse_gemm_epilogue",
+            bool,
+            False,
+            kind="XLA flag",
+            doc=(
+                "True: `--xla_gpu_enable_cublaslt=true`: GEMMs through cuBLASLt, which "
+                "fuses bias and activation epilogues (XLA marks the flag deprecated; "
+                "Triton GEMM fusions also fuse epilogues)."
+            ),
+        ),
+        field(
+            17,
+            "debug_graphviz_path",
+            str,
+            "",
+            kind="XLA flag",
+            doc=(
+                "`--xla_dump_to=<path> --xla_dump_hlo_as_dot=true`: XLA writes each "
+                "compiled module there as graphviz `.dot` files."
+            ),
+        ),
         field(18, "fused_attention", bool, False, note=_ATTENTION),
-        field(19, "fused_feedforward", bool, False),
+        field(
+            19,
+            "fused_feedforward",
+            bool,
+            False,
+            kind="XLA default",
+            doc=_XLA_FUSES,
+        ),
         field(20, "fuse_dot_product_attention", bool, False, note=_ATTENTION),
         field(
             21,
@@ -867,7 +1490,19 @@ EXECUTION_STRATEGY = message(
                 "temporaries when the step ends"
             ),
         ),
-        field(3, "num_iteration_per_run", int, 3, check=_positive, paddle_default=1),
+        field(
+            3,
+            "num_iteration_per_run",
+            int,
+            3,
+            check=_positive,
+            paddle_default=1,
+            doc=(
+                "`TrainStep.run(state, batches)` runs this many optimizer steps in one "
+                "compiled call (a `lax.scan` over the batches: one host round trip) and "
+                "returns every step's metrics; `__call__` still runs one."
+            ),
+        ),
         field(
             4,
             "use_thread_barrier",
@@ -882,7 +1517,18 @@ GRADIENT_SCALE_CONFIG = message(
     "GradientScaleConfig",
     "gradient_scale_configs",
     [
-        field(1, "scale_strategy", str, "avg", check=one_of("avg", "sum", "customized")),
+        field(
+            1,
+            "scale_strategy",
+            str,
+            "avg",
+            check=one_of("avg", "sum", "customized"),
+            kind="not yet",
+            doc=(
+                "`avg` (the mean over replicas) is what the step does; `sum` and "
+                "`customized` raise."
+            ),
+        ),
         field(
             2,
             "scale_gradient",
@@ -892,6 +1538,7 @@ GRADIENT_SCALE_CONFIG = message(
                 "the step averages gradients over the replicas; scale_strategy selects anything "
                 "else"
             ),
+            kind="not yet",
         ),
     ],
 )
@@ -909,28 +1556,117 @@ DISTRIBUTED_STRATEGY = message(
     "DistributedStrategy",
     "DistributedStrategy",
     [
-        field(1, "mode", MODE, "COLLECTIVE", check=one_of("COLLECTIVE")),
-        field(2, "amp", bool, False),
-        field(3, "recompute", bool, False),
-        field(4, "localsgd", bool, False),
-        field(5, "dgc", bool, False),
-        field(6, "gradient_merge", bool, False),
-        field(7, "lars", bool, False),
-        field(8, "lamb", bool, False),
-        field(9, "pipeline", bool, False),
+        field(
+            1,
+            "mode",
+            MODE,
+            "COLLECTIVE",
+            check=one_of("COLLECTIVE"),
+            doc="Collective mode; validation accepts only `COLLECTIVE`.",
+        ),
+        field(
+            2,
+            "amp",
+            bool,
+            False,
+            doc=_AMP,
+        ),
+        field(
+            3,
+            "recompute",
+            bool,
+            False,
+            doc=(
+                "`jax.checkpoint` of the layers marked with `fleetjax.recompute`, keeping "
+                "what `recompute_configs` names."
+            ),
+        ),
+        field(
+            4,
+            "localsgd",
+            bool,
+            False,
+            doc=(
+                "LocalSGD (`fleetjax.optimizers`): each replica trains its own "
+                "parameters, averaged every `k_steps`."
+            ),
+        ),
+        field(
+            5,
+            "dgc",
+            bool,
+            False,
+            doc=(
+                "Deep gradient compression (`fleetjax.optimizers`): top-k sparse gradient "
+                "exchange with momentum correction."
+            ),
+        ),
+        field(
+            6,
+            "gradient_merge",
+            bool,
+            False,
+            doc=(
+                "Gradient merge (`fleetjax.transforms.gradient_merge`): across calls or "
+                "within one step, see `gradient_merge_configs.mode`. Under the pipeline, "
+                "across calls wraps the optimizer as without it; within one step it is "
+                "the pipeline's accumulation (`k_steps` micro-batches)."
+            ),
+        ),
+        field(7, "lars", bool, False, doc="Paddle's LARS momentum (`fleetjax.optimizers`)."),
+        field(8, "lamb", bool, False, doc="Paddle's LAMB (`fleetjax.optimizers`)."),
+        field(
+            9,
+            "pipeline",
+            bool,
+            False,
+            doc=(
+                "Pipeline parallelism over the `pp` mesh axis "
+                "(`fleetjax.transforms.pipeline`); the loss is a `PipelineLayer` (three "
+                "functions, or Paddle's `LayerDesc` list). It combines with gradient "
+                "merge, `fp16_allreduce`, hierarchical all-reduce, ZeRO, AMP, recompute "
+                "and model state; not with DGC/LocalSGD (an error)."
+            ),
+        ),
         field(
             10,
             "elastic",
             bool,
             False,
-            note="Paddle's elastic training is set up on its launcher (--elastic_server, "
-            "--max_restart); fleetjax-run stops every worker when one fails, and training "
-            "resumes from the last checkpoint",
+            note="Paddle's elastic training is set up on its launcher, and so is fleetjax's: "
+            "fleetjax-run's --max_restart, --elastic_level and --nnodes min:max restart the job "
+            "after a failure, and training resumes from the latest intact checkpoint",
         ),
-        field(11, "auto", bool, False),
+        field(
+            11,
+            "auto",
+            bool,
+            False,
+            doc=(
+                "`fleetjax.auto.search` chooses the degrees, ZeRO stage, recompute and "
+                "micro-batching by compiling candidate steps ([the auto "
+                "planner](auto.md)); with another parallel switch it is an error naming "
+                "both; `make_train_step` refuses `auto=True` and points to the planner, "
+                "which needs the parameters and an example batch."
+            ),
+        ),
         # With sparse tables: False is the synchronous step, True with a_sync_configs.k_steps > 0
         # Geo-SGD; True otherwise (Paddle's async) runs synchronously and warns.
-        field(12, "a_sync", bool, True),
+        field(
+            12,
+            "a_sync",
+            bool,
+            True,
+            doc=(
+                "Paddle's parameter-server modes ([parameter "
+                "server](parameter_server.md)): False the synchronous step; set to True "
+                "with `a_sync_configs.k_steps` > 0 Geo-SGD "
+                "(`fleetjax.optimizers.geo_sgd`); set to True otherwise, Paddle's "
+                "asynchronous mode, runs synchronously and warns (no SPMD counterpart). "
+                "Left at its default it is a collective strategy's. As in Paddle, "
+                "assigning it sets `a_sync_configs.k_steps` to 0."
+            ),
+        ),
         field(
             13,
             "sync_nccl_allreduce",
@@ -953,11 +1689,70 @@ DISTRIBUTED_STRATEGY = message(
             ),
         ),
         # Both applied by fleetjax.transforms.grad_allreduce.hierarchical_mean.
-        field(15, "use_hierarchical_allreduce", bool, False),
-        field(16, "hierarchical_allreduce_inter_nranks", int, 1, check=_positive),
-        field(17, "sync_batch_norm", bool, False),
-        field(18, "fuse_all_reduce_ops", bool, True),
-        field(19, "fuse_grad_size_in_MB", int, 32, check=_non_negative),
+        field(
+            15,
+            "use_hierarchical_allreduce",
+            bool,
+            False,
+            doc=(
+                "`fleetjax.transforms.grad_allreduce.hierarchical_mean`: gradients are "
+                "averaged by ring reduce-scatter within each node, an all-reduce of each "
+                "device's part across nodes, and a ring all-gather within the node "
+                "(collective-permutes), so only 1/ranks-per-node of each gradient crosses "
+                "nodes. Under the pipeline, each replica's gradients are reduced so once, "
+                "after its loop. Not with ZeRO stage 2/3 or DGC/LocalSGD (an error)."
+            ),
+        ),
+        field(
+            16,
+            "hierarchical_allreduce_inter_nranks",
+            int,
+            1,
+            check=_positive,
+            doc=(
+                "The devices per node of the two-level reduction (consecutive "
+                "data-parallel replicas, node-major as JAX lists a host's devices); left "
+                "unset, a node is one process's replicas (Paddle: one machine's GPUs). It "
+                "must divide the data-parallel size."
+            ),
+        ),
+        field(
+            17,
+            "sync_batch_norm",
+            bool,
+            False,
+            doc=(
+                "`fleetjax.layers.BatchNorm` statistics over all data-parallel replicas "
+                "(`sync=True`) or each replica's rows. `fleet.distributed_model(model)` "
+                "converts a model's `nnx.BatchNorm` layers to it, as the strategy says "
+                "(`fleetjax.layers.batch_norm.convert_batch_norm(model, sync=..., "
+                "replicas=...)` by hand)."
+            ),
+        ),
+        field(
+            18,
+            "fuse_all_reduce_ops",
+            bool,
+            True,
+            kind="XLA flag",
+            doc=(
+                "`--xla_gpu_all_reduce_combine_threshold_bytes`: `fuse_grad_size_in_MB` "
+                "MiB when True, 0 (one all-reduce per gradient) when False. Unset, XLA's "
+                "own heuristic (about 30 MiB) stays."
+            ),
+        ),
+        field(
+            19,
+            "fuse_grad_size_in_MB",
+            int,
+            32,
+            check=_non_negative,
+            kind="XLA flag",
+            doc=(
+                "`--xla_gpu_all_reduce_combine_threshold_bytes` = this many MiB (0 if "
+                "`fuse_all_reduce_ops` is False)."
+            ),
+        ),
         field(
             20,
             "fuse_grad_size_in_TFLOPS",
@@ -970,7 +1765,19 @@ DISTRIBUTED_STRATEGY = message(
                 "(fuse_grad_size_in_MB) and by count of collectives (fuse_grad_size_in_num)"
             ),
         ),
-        field(21, "cudnn_exhaustive_search", bool, True, paddle_default=False),
+        field(
+            21,
+            "cudnn_exhaustive_search",
+            bool,
+            True,
+            paddle_default=False,
+            kind="XLA flag",
+            doc=(
+                "False: `--xla_gpu_autotune_level=0`, the heuristic algorithm without "
+                "benchmarking (for GEMMs too). True: XLA's default autotuning (level 4), "
+                "which benchmarks every candidate; no flag needed."
+            ),
+        ),
         field(
             22,
             "conv_workspace_size_limit",
@@ -994,9 +1801,34 @@ DISTRIBUTED_STRATEGY = message(
                 " with no cuDNN batch-norm call to configure"
             ),
         ),
-        field(24, "adaptive_localsgd", bool, False),
-        field(25, "fp16_allreduce", bool, False),
-        field(26, "sharding", bool, False),
+        field(
+            24,
+            "adaptive_localsgd",
+            bool,
+            False,
+            doc=(
+                "Adaptive LocalSGD (`fleetjax.optimizers`): the averaging interval "
+                "follows the loss."
+            ),
+        ),
+        field(
+            25,
+            "fp16_allreduce",
+            bool,
+            False,
+            doc=(
+                "Gradients all-reduced in half precision (`fp16_allreduce_dtype`) inside "
+                "`shard_map` (`fleetjax.transforms.grad_allreduce`); under the pipeline, "
+                "each replica's accumulated gradients, once, after its loop."
+            ),
+        ),
+        field(
+            26,
+            "sharding",
+            bool,
+            False,
+            doc=("ZeRO over the `sharding` mesh axis; the stage is `sharding_configs.stage`."),
+        ),
         field(
             27,
             "last_comm_group_size_MB",
@@ -1018,11 +1850,50 @@ DISTRIBUTED_STRATEGY = message(
                 " autodiff gives them zero gradients"
             ),
         ),
-        field(29, "tensor_parallel", bool, False),
+        field(
+            29,
+            "tensor_parallel",
+            bool,
+            False,
+            doc=(
+                "Tensor parallelism over the `mp` axis: parameters placed by "
+                "`param_specs` (`fleetjax.layers.partition_specs` reads flax partitioning "
+                "metadata); the `mp` size from `tensor_parallel_configs`."
+            ),
+        ),
         field(30, "without_graph_optimization", bool, True, note=_STATIC),
-        field(31, "fuse_grad_size_in_num", int, 8, check=_positive),
-        field(32, "calc_comm_same_stream", bool, False),
-        field(33, "asp", bool, False),
+        field(
+            31,
+            "fuse_grad_size_in_num",
+            int,
+            8,
+            check=_positive,
+            kind="XLA flag",
+            doc=(
+                "`--xla_gpu_collective_combine_threshold_count`: at most this many "
+                "collectives combined into one (XLA applies it to all its collective "
+                "combiners); only while `fuse_all_reduce_ops` is True."
+            ),
+        ),
+        field(
+            32,
+            "calc_comm_same_stream",
+            bool,
+            False,
+            kind="XLA flag",
+            doc=(
+                "True: `--xla_gpu_disable_async_collectives=ALLCOLLECTIVES`, synchronous "
+                "collectives on the compute stream."
+            ),
+        ),
+        field(
+            33,
+            "asp",
+            bool,
+            False,
+            kind="not yet",
+            doc="2:4 structured sparsity is not implemented.",
+        ),
         field(
             34,
             "fuse_grad_merge",
@@ -1033,13 +1904,34 @@ DISTRIBUTED_STRATEGY = message(
                 "buffers itself"
             ),
         ),
-        field(35, "semi_auto", bool, False),
+        field(
+            35,
+            "semi_auto",
+            bool,
+            False,
+            kind="not yet",
+            doc="Semi-automatic parallelism is not implemented.",
+        ),
         field(36, "adam_d2sum", bool, False, note=_PS),
-        field(37, "auto_search", bool, False),
+        field(
+            37,
+            "auto_search",
+            bool,
+            False,
+            kind="not yet",
+            doc="Automatic parallel search is not implemented.",
+        ),
         field(38, "heter_ccl_mode", bool, False, note=_PS),
         field(39, "is_fl_ps_mode", bool, False, note=_PS),
         field(40, "with_coordinator", bool, False, note=_PS),
-        field(41, "qat", bool, False),
+        field(
+            41,
+            "qat",
+            bool,
+            False,
+            kind="not yet",
+            doc="Quantization-aware training is not implemented.",
+        ),
         field(
             42,
             "split_data",
@@ -1049,7 +1941,17 @@ DISTRIBUTED_STRATEGY = message(
             "always splits the global batch over the data axes",
         ),
         # fleetjax: the dtype fp16_allreduce communicates in.
-        field(1001, "fp16_allreduce_dtype", str, "float16", paddle=False, check=_half),
+        field(
+            1001,
+            "fp16_allreduce_dtype",
+            str,
+            "float16",
+            paddle=False,
+            check=_half,
+            doc=(
+                "fleetjax extension: `float16` or `bfloat16`, the dtype `fp16_allreduce` sums in."
+            ),
+        ),
         field(101, "recompute_configs", RECOMPUTE_CONFIG),
         field(102, "amp_configs", AMP_CONFIG),
         field(103, "localsgd_configs", LOCALSGD_CONFIG),
@@ -1064,7 +1966,21 @@ DISTRIBUTED_STRATEGY = message(
         field(112, "hybrid_configs", HYBRID_CONFIG),
         field(113, "tensor_parallel_configs", TENSOR_PARALLEL_CONFIG),
         field(114, "trainer_desc_configs", TRAINER_DESC_CONFIG),
-        field(115, "downpour_table_param", TABLE_PARAMETER, []),
+        field(
+            115,
+            "downpour_table_param",
+            TABLE_PARAMETER,
+            [],
+            doc=(
+                "Paddle's sparse table configs (`TableParameter`s, set with "
+                "`sparse_table_configs`), one per `SparseEmbedding` by `table_name`: its "
+                "accessor's `embed_sgd_param` and `embedx_sgd_param` pick the sparse "
+                "rules of the first and the other columns "
+                "(`fleetjax.transforms.sparse_rows`), `fea_dim` and `embedx_dim` are "
+                "checked against the table; table storage, CTR bookkeeping and graph "
+                "settings warn once each (see [parameter server](parameter_server.md))."
+            ),
+        ),
         field(116, "fs_client_param", FS_CLIENT_PARAMETER),
         field(117, "qat_configs", QAT_CONFIG),
         field(201, "build_strategy", BUILD_STRATEGY),
@@ -1084,13 +2000,70 @@ AUTO_QAT = message(
     "QATSection",
     "qat",
     [
-        field(1, "enable", bool, False),
-        field(2, "channel_wise_abs_max", bool, True),
-        field(3, "weight_bits", int, 8, check=_positive),
-        field(4, "activation_bits", int, 8, check=_positive),
-        field(5, "not_quant_pattern", str, ["skip_quant"]),
-        field(6, "algo", str, None),
-        field(7, "onnx_format", bool, True),
+        field(
+            1,
+            "enable",
+            bool,
+            False,
+            kind="not yet",
+            doc="Quantization-aware training is not implemented.",
+        ),
+        field(
+            2,
+            "channel_wise_abs_max",
+            bool,
+            True,
+            kind="not yet",
+            when="silent",
+            doc=_AUTO_QAT_OFF,
+        ),
+        field(
+            3,
+            "weight_bits",
+            int,
+            8,
+            check=_positive,
+            kind="not yet",
+            when="silent",
+            doc=_AUTO_QAT_OFF,
+        ),
+        field(
+            4,
+            "activation_bits",
+            int,
+            8,
+            check=_positive,
+            kind="not yet",
+            when="silent",
+            doc=_AUTO_QAT_OFF,
+        ),
+        field(
+            5,
+            "not_quant_pattern",
+            str,
+            ["skip_quant"],
+            kind="not yet",
+            when="silent",
+            doc=_AUTO_QAT_OFF,
+        ),
+        field(
+            6,
+            "algo",
+            str,
+            None,
+            kind="not yet",
+            when="silent",
+            doc=_AUTO_QAT_OFF,
+        ),
+        field(
+            7,
+            "onnx_format",
+            bool,
+            True,
+            kind="not yet",
+            when="silent",
+            doc=_AUTO_QAT_OFF,
+        ),
     ],
 )
 
@@ -1098,12 +2071,23 @@ AUTO_SHARDING = message(
     "ShardingSection",
     "sharding",
     [
-        field(1, "enable", bool, False),
-        field(2, "stage", int, 1, check=one_of(1, 2, 3)),
-        field(3, "degree", int, 8, check=_positive),
-        field(4, "enable_overlap", bool, False, note=_XLA_OVERLAP),
-        field(5, "param_comm_stream_num", int, 1, check=_positive, note=_XLA_OVERLAP),
-        field(6, "grad_comm_stream_num", int, 1, check=_positive, note=_XLA_OVERLAP),
+        field(1, "enable", bool, False, doc="ZeRO over the `sharding` mesh axis."),
+        field(
+            2,
+            "stage",
+            int,
+            1,
+            check=one_of(1, 2, 3),
+            doc="The ZeRO stage: 1 optimizer state, 2 + gradients, 3 + parameters.",
+        ),
+        field(3, "degree", int, 8, check=_positive, doc="The `sharding` mesh axis size."),
+        field(4, "enable_overlap", bool, False, note=_XLA_OVERLAP, kind="not yet"),
+        field(
+            5, "param_comm_stream_num", int, 1, check=_positive, note=_XLA_OVERLAP, kind="not yet"
+        ),
+        field(
+            6, "grad_comm_stream_num", int, 1, check=_positive, note=_XLA_OVERLAP, kind="not yet"
+        ),
         field(
             7,
             "param_bucket_size_numel",
@@ -1111,6 +2095,7 @@ AUTO_SHARDING = message(
             1,
             check=_positive,
             note="XLA combines collectives by bytes (comm_buffer_size_MB), not by element count",
+            kind="not yet",
         ),
         field(
             8,
@@ -1119,6 +2104,7 @@ AUTO_SHARDING = message(
             1,
             check=_positive,
             note="XLA combines collectives by bytes (comm_buffer_size_MB), not by element count",
+            kind="not yet",
         ),
         field(
             9,
@@ -1126,19 +2112,36 @@ AUTO_SHARDING = message(
             bool,
             False,
             note="NCCL picks hierarchical algorithms itself (NCCL_ALGO)",
+            kind="not yet",
         ),
-        field(10, "partition_algor", str, "greedy_even", note=_ZERO_EVEN),
+        field(10, "partition_algor", str, "greedy_even", note=_ZERO_EVEN, kind="not yet"),
         field(11, "enable_tuning", bool, False, note=_STATIC),
-        field(12, "tuning_range", int, [], note="there is no sharding tuner in fleetjax"),
-        field(13, "release_gradients", bool, False, note=_XLA_FREES),
-        field(14, "comm_buffer_size_MB", int, 256, check=_positive),
-        field(15, "enable_tensor_fusion", bool, False, note=_XLA_LAYOUT),
+        field(
+            12,
+            "tuning_range",
+            int,
+            [],
+            note="there is no sharding tuner in fleetjax",
+            kind="not yet",
+        ),
+        field(13, "release_gradients", bool, False, note=_XLA_FREES, kind="not yet"),
+        field(
+            14,
+            "comm_buffer_size_MB",
+            int,
+            256,
+            check=_positive,
+            kind="XLA flag",
+            doc=_COMM_BUFFER,
+        ),
+        field(15, "enable_tensor_fusion", bool, False, note=_XLA_LAYOUT, kind="not yet"),
         field(
             16,
             "save_unbalanced_param",
             bool,
             True,
             note="checkpoints hold whole arrays (orbax), whatever the placement",
+            kind="not yet",
         ),
         field(
             17,
@@ -1155,9 +2158,39 @@ AUTO_FUSED_PASSES = message(
     "FusedPassesSection",
     "fused_passes",
     [
-        field(1, "enable", bool, False),
-        field(2, "gemm_epilogue", bool, False),
-        field(3, "dropout_add", bool, False),
+        field(
+            1,
+            "enable",
+            bool,
+            False,
+            doc=(
+                "Turns on the fused passes below (`gemm_epilogue` maps to an XLA flag; "
+                "`dropout_add` is XLA's default)."
+            ),
+        ),
+        field(
+            2,
+            "gemm_epilogue",
+            bool,
+            False,
+            kind="XLA flag",
+            doc=(
+                "With `enable`: `--xla_gpu_enable_cublaslt=true`, GEMMs through cuBLASLt, "
+                "which fuses bias and activation epilogues. Without `enable`, warns once "
+                "(Paddle applies no pass then)."
+            ),
+        ),
+        field(
+            3,
+            "dropout_add",
+            bool,
+            False,
+            kind="XLA default",
+            doc=(
+                "XLA fuses dropout's mask-multiply and the residual add into one kernel "
+                "by itself. Without `enable`, warns once (Paddle applies no pass then)."
+            ),
+        ),
     ],
     hints={"gemm_spilogue": "the key is 'gemm_epilogue' (Paddle's docstring has a typo)"},
 )
@@ -1166,10 +2199,32 @@ AUTO_GRADIENT_MERGE = message(
     "GradientMergeSection",
     "gradient_merge",
     [
-        field(1, "enable", bool, False),
-        field(2, "k_steps", int, 1, check=_positive),
-        field(3, "avg", bool, True),
-        field(4, "mode", str, "in_step", check=_merge_mode),
+        field(
+            1, "enable", bool, False, doc="Gradient merge (`fleetjax.transforms.gradient_merge`)."
+        ),
+        field(2, "k_steps", int, 1, check=_positive, doc="Micro-steps merged into one update."),
+        field(
+            3,
+            "avg",
+            bool,
+            True,
+            doc=(
+                "Mean (True) or sum of the merged gradients. Under the pipeline always "
+                "the mean, as Paddle's engine sets it (False warns)."
+            ),
+        ),
+        field(
+            4,
+            "mode",
+            str,
+            "in_step",
+            check=_merge_mode,
+            doc=(
+                "fleetjax extension: `in_step` (Paddle's auto-parallel: the batch is "
+                "split; under the pipeline, into the pipeline's `k_steps` micro-batches, "
+                "as Paddle's engine) or `across_calls`."
+            ),
+        ),
     ],
 )
 
@@ -1177,13 +2232,51 @@ AUTO_PIPELINE = message(
     "PipelineSection",
     "pipeline",
     [
-        field(1, "enable", bool, False),
-        field(2, "schedule_mode", str, "1F1B", check=one_of(*SCHEDULE_MODES)),
-        field(3, "pp_degree", int, 1, check=_positive),
-        field(4, "vpp_degree", int, 1, check=_positive),
-        field(5, "vpp_seg_method", str, "", note="the PipelineLayer defines its stages"),
-        field(6, "micro_batch_size", int, 1, check=_positive),
-        field(7, "accumulate_steps", int, 1, check=_positive),
+        field(
+            1,
+            "enable",
+            bool,
+            False,
+            doc=("Pipeline parallelism over the `pp` mesh axis; the loss is a `PipelineLayer`."),
+        ),
+        field(
+            2,
+            "schedule_mode",
+            str,
+            "1F1B",
+            check=one_of(*PADDLE_SCHEDULE_MODES),
+            doc=(
+                "`1F1B`, `Eager1F1B`, `FThenB`, `VPP`, or the zero-bubble `ZBH1` and `ZBVPP` "
+                "(see `pipeline_configs.schedule_mode`)."
+            ),
+        ),
+        field(3, "pp_degree", int, 1, check=_positive, doc="The `pp` mesh axis size."),
+        field(
+            4, "vpp_degree", int, 1, check=_positive, doc="Virtual stages per device under `VPP`."
+        ),
+        field(
+            5,
+            "vpp_seg_method",
+            str,
+            "",
+            note="the PipelineLayer defines its stages",
+            kind="not yet",
+            doc=(
+                "The PipelineLayer defines its stages (its `seg_method`, in the `LayerDesc` form)."
+            ),
+        ),
+        field(6, "micro_batch_size", int, 1, check=_positive, doc="The size of one micro-batch."),
+        field(
+            7,
+            "accumulate_steps",
+            int,
+            1,
+            check=_positive,
+            doc=(
+                "Micro-batches per step; `gradient_merge.k_steps` sets it under in-step "
+                "gradient merge (they must agree where both are set)."
+            ),
+        ),
         field(
             8,
             "generation_batch_size",
@@ -1191,12 +2284,15 @@ AUTO_PIPELINE = message(
             1,
             check=_positive,
             note="generation is not in fleetjax",
+            kind="not yet",
         ),
-        field(9, "enable_send_recv_overlap", bool, False, note=_XLA_OVERLAP),
-        field(10, "job_schedule_profiler_start", int, -1, note=_PROFILER),
-        field(11, "job_schedule_profiler_stop", int, -1, note=_PROFILER),
-        field(12, "program_runtimes", int, [61, 72, 71, 34, 3], note=_SCHEDULE_HINT),
-        field(13, "memory_limit_times", int, -1, note=_SCHEDULE_HINT),
+        field(9, "enable_send_recv_overlap", bool, False, note=_XLA_OVERLAP, kind="not yet"),
+        field(10, "job_schedule_profiler_start", int, -1, note=_PROFILER, kind="not yet"),
+        field(11, "job_schedule_profiler_stop", int, -1, note=_PROFILER, kind="not yet"),
+        field(
+            12, "program_runtimes", int, [61, 72, 71, 34, 3], note=_SCHEDULE_HINT, kind="not yet"
+        ),
+        field(13, "memory_limit_times", int, -1, note=_SCHEDULE_HINT, kind="not yet"),
         field(
             14,
             "split_backward",
@@ -1208,7 +2304,7 @@ AUTO_PIPELINE = message(
                 "nothing"
             ),
         ),
-        field(15, "auto_parallel_sync_shared_params", bool, False, note=_SPMD_SYNC),
+        field(15, "auto_parallel_sync_shared_params", bool, False, note=_SPMD_SYNC, kind="not yet"),
     ],
 )
 
@@ -1216,22 +2312,74 @@ AUTO_AMP = message(
     "AmpSection",
     "amp",
     [
-        field(1, "enable", bool, False),
-        field(2, "dtype", str, "float16", check=one_of("float16", "bfloat16")),
-        field(3, "level", str, "o1", check=one_of("o1", "o2", "O1", "O2")),
-        field(4, "init_loss_scaling", float, 32768.0, check=greater_than(0)),
-        field(5, "incr_every_n_steps", int, 1000, check=_positive),
-        field(6, "decr_every_n_nan_or_inf", int, 2, check=_positive),
-        field(7, "incr_ratio", float, 2.0, check=greater_than(1)),
-        field(8, "decr_ratio", float, 0.8, check=between(0, 1)),
-        field(9, "use_dynamic_loss_scaling", bool, True),
-        field(10, "custom_white_list", str, []),
-        field(11, "custom_black_list", str, []),
-        field(12, "custom_black_varnames", str, []),
-        field(13, "use_fp16_guard", bool, False),
-        field(14, "use_bf16_guard", bool, False),
-        field(15, "use_master_grad", bool, False),
-        field(16, "use_promote", bool, True),
+        field(
+            1,
+            "enable",
+            bool,
+            False,
+            doc=_AMP,
+        ),
+        field(
+            2,
+            "dtype",
+            str,
+            "float16",
+            check=one_of("float16", "bfloat16"),
+            doc="`float16` or `bfloat16`.",
+        ),
+        field(
+            3,
+            "level",
+            str,
+            "o1",
+            check=one_of("o1", "o2", "O1", "O2"),
+            doc=(
+                "O1 (per-operation casts) or O2 (half-precision parameters, float32 "
+                "master weights)."
+            ),
+        ),
+        *_loss_scaling(4, default=0.8),
+        field(
+            9,
+            "use_dynamic_loss_scaling",
+            bool,
+            True,
+            doc="Dynamic loss scaling (skip non-finite steps).",
+        ),
+        field(10, "custom_white_list", str, [], doc="Operations added to the half-precision list."),
+        field(11, "custom_black_list", str, [], doc="Operations kept in float32."),
+        field(
+            12, "custom_black_varnames", str, [], doc="Named values whose consumers stay float32."
+        ),
+        field(
+            13,
+            "use_fp16_guard",
+            bool,
+            False,
+            doc=(
+                "Under O2 float16, only code inside `fleetjax.fp16_guard` runs in half precision."
+            ),
+        ),
+        field(14, "use_bf16_guard", bool, False, doc="Under O2 bfloat16, likewise."),
+        field(
+            15,
+            "use_master_grad",
+            bool,
+            False,
+            doc=(
+                "The optimizer always sees float32 gradients of float32 master weights "
+                "(`fleetjax.transforms.amp`)."
+            ),
+        ),
+        field(
+            16,
+            "use_promote",
+            bool,
+            True,
+            doc=(
+                "O1 operations with mixed inputs run in the widest dtype; False: in half precision."
+            ),
+        ),
     ],
 )
 
@@ -1239,13 +2387,39 @@ AUTO_RECOMPUTE = message(
     "RecomputeSection",
     "recompute",
     [
-        field(1, "enable", bool, False),
-        field(2, "checkpoints", str, []),
-        field(3, "no_recompute_segments", int, [], note=_RECOMPUTE_POLICY),
-        field(4, "sr", int, 0, check=_non_negative, note=_RECOMPUTE_POLICY),
-        field(5, "refined_ops_patterns", REFINED_OPS_PATTERN, [], note=_RECOMPUTE_POLICY),
+        field(
+            1,
+            "enable",
+            bool,
+            False,
+            doc="`jax.checkpoint` of the layers marked with `fleetjax.recompute`.",
+        ),
+        field(
+            2,
+            "checkpoints",
+            str,
+            [],
+            doc=("The activations (named with `fleetjax.checkpoint_name`) that recompute keeps."),
+        ),
+        field(3, "no_recompute_segments", int, [], note=_RECOMPUTE_POLICY, kind="not yet"),
+        field(4, "sr", int, 0, check=_non_negative, note=_RECOMPUTE_POLICY, kind="not yet"),
+        field(
+            5,
+            "refined_ops_patterns",
+            REFINED_OPS_PATTERN,
+            [],
+            note=_RECOMPUTE_POLICY,
+            kind="not yet",
+        ),
         field(6, "enable_tuning", bool, False, note=_STATIC),
-        field(7, "policy", str, "", check=_remat_policy),
+        field(
+            7,
+            "policy",
+            str,
+            "",
+            check=_remat_policy,
+            doc="fleetjax extension: a `jax.checkpoint_policies` name.",
+        ),
     ],
 )
 
@@ -1298,6 +2472,11 @@ _AUTO_BASE_FIELDS = (
             lambda v: v is True,
             "True: the step averages gradients over the data-parallel replicas (scale the loss "
             "by the replica count to sum them)",
+        ),
+        doc=(
+            "Only True: the step averages gradients over the data-parallel replicas; "
+            "False (Paddle: sum them) is refused with a ValueError saying to scale "
+            "the loss by the replica count instead."
         ),
     ),
     field(

@@ -1,10 +1,11 @@
 """A train step's sparse tables (Paddle's parameter-server mode): which they are, their rules,
 and the step's part for them.
 
-Where the parameters hold `fleetjax.layers.SparseTable`s the step (fleetjax.step) does
+Where the parameters hold `fleetjax.layers.SparseTable`s, `Tables.find` finds them once, with
+the step's placement (`fleetjax.step.StepSpec`), and the step does
 
-    params, opt_state = init_state(plan, mesh, optimizer, params)    # tables named, slots made
-    rows = step_rows(plan, mesh, loss_fn, signature, state, batch, rest)
+    params, opt_state = tables.init(optimizer, params)    # tables named, slots made
+    rows = tables.touched(loss_fn, has_state, params, model_state, batch, rest)
     ... the gradient chain on rows.params (each table its touched rows) with rows.loss_fn ...
     params, opt_state = rows.apply(optimizer, grads, opt_state, params, step, loss)
 
@@ -17,53 +18,41 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import optax
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh
 
+from fleetjax._checks import init_optimizer
 from fleetjax.layers import is_table, logical_to_spec
-from fleetjax.layers.sparse_embedding import TABLE_ROWS, TouchedRows, lookup_scope, on_host
+from fleetjax.layers.sparse_embedding import TABLE_ROWS, TouchedRows, on_host
 from fleetjax.mesh import data_axes, spec_axes
+from fleetjax.optimizers import STEP_SWITCHES, check_combination, sparse_rules
+from fleetjax.optimizers.sparse_rules import SparseRule
 from fleetjax.plan import Plan, SparseTableConfig
 from fleetjax.transforms import sparse_rows
-from fleetjax.transforms.sparse_rows import GeoRows, SparseRule
+from fleetjax.transforms.sparse_rows import GeoRows, TablesState
 
-__all__ = ["Rows", "Tables", "TablesState", "init_state", "slot_specs", "step_rows"]
-
-
-class TablesState(NamedTuple):
-    """The optimizer state of a step with sparse tables.
-
-    Attributes:
-      dense: the optimizer's state for the dense parameters.
-      slots: each table's rule slots (one row per table row), by table name.
-      geo: under Geo-SGD, each table's exchange state (`GeoRows`), by name; else None.
-    """
-
-    dense: Any
-    slots: dict[str, Any]
-    geo: dict[str, GeoRows] | None
+__all__ = ["Rows", "Tables"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Rows:
-    """What one step's gradient chain trains (`step_rows`).
+    """What one step's gradient chain trains (`Tables.touched`).
 
     Attributes:
       params: the parameters, each table's value its touched rows ``[U, D]``.
       loss_fn: the user's loss, its lookups reading those rows.
       touched: each table's distinct ids, by name.
-      tables: the step's tables (None: the model has none, and `params` and `loss_fn` are
-        the step's own).
+      tables: the step's tables.
     """
 
     params: Any
     loss_fn: Callable[..., Any]
     touched: dict[str, TouchedRows]
-    tables: Tables | None
+    tables: Tables
 
     @property
     def metrics(self) -> dict[str, jax.Array]:
@@ -101,25 +90,6 @@ class Rows:
         return params, TablesState(dense_state, slots, geo)
 
 
-def step_rows(
-    plan: Plan,
-    mesh: Mesh,
-    loss_fn: Callable[..., Any],
-    signature: Any,
-    state: Any,
-    batch: Any,
-    rest: tuple[Any, ...],
-) -> Rows:
-    """What the gradient chain of a step on `state` (a `TrainState`) trains: with sparse
-    tables, each table as the rows `batch` touches (`Tables.touched`); without, the
-    parameters and `loss_fn` as they are. `signature` is the loss's (`fleetjax._chain`)."""
-    tables = Tables.find(plan, mesh, state.params)
-    if tables is None:
-        return Rows(state.params, loss_fn, {}, None)
-    has_state = signature.has_state
-    return tables.touched(loss_fn, has_state, state.params, state.model_state, batch, rest)
-
-
 def _rule(config: SparseTableConfig, dim: int) -> SparseRule:
     """The table's `SparseAccessor` rule; its config's dimensions must fit the table."""
     where = f"sparse_table_configs[{config.table_name!r}].accessor"
@@ -131,38 +101,18 @@ def _rule(config: SparseTableConfig, dim: int) -> SparseRule:
                 f"embedding_dim is {dim}: Paddle's SparseAccessor has embedx_dim = "
                 f"embedding_dim - 1 = {dim - 1} and fea_dim = embedding_dim + 2 = {dim + 2}"
             )
-    made = lambda r: sparse_rows.paddle_rule(r.name, **r.params)  # noqa: E731
-    return sparse_rows.sparse_accessor(made(config.embed), made(config.embedx))
+    made = lambda r: sparse_rules.paddle_rule(r.name, **r.params)  # noqa: E731
+    return sparse_rules.sparse_accessor(made(config.embed), made(config.embedx))
 
 
-def _check_combinations(plan: Plan) -> None:
-    clash = (
-        "the pipeline (a table is looked up in the model's first stage only)"
-        if plan.pipeline is not None
-        else f"{plan.optimizer.name} (it steps each replica's own optimizer)"
-        if plan.per_replica and plan.optimizer.name != "geo"
-        else "gradient merge across calls (a table's touched rows change from step to step; "
-        "use the in-step merge, Strategy.gradient_merge or gradient_merge_configs.mode="
-        "'in_step')"
-        if plan.gradient_merge is not None and not plan.gradient_merge.in_step
-        else None
-    )
-    if clash:
-        raise ValueError(f"sparse tables do not combine with {clash}")
-
-
-def _check_host_tables(plan: Plan, found: Mapping[str, Any]) -> None:
-    """Geo-SGD keeps a whole copy of every table on each replica and exchanges it by gathers:
-    host memory cannot hold that plan."""
+def _check_combinations(plan: Plan, found: Mapping[str, Any]) -> None:
+    """Sparse tables' clashes with the plan's switches (`fleetjax.optimizers.check_combination`):
+    the model has tables, and perhaps some in pinned host memory (named by the first)."""
+    on = {**plan.switches, "sparse_tables": STEP_SWITCHES["sparse_tables"]}
     host = sorted(name for name, table in found.items() if on_host(table))
-    k_steps = plan.parameter_server.geo_k_steps
-    if host and k_steps:
-        raise ValueError(
-            f"sparse table {host[0]!r} has memory_kind='pinned_host', which does not combine "
-            f"with Geo-SGD (a_sync=True, a_sync_configs.k_steps={k_steps}): each replica "
-            "keeps and exchanges a whole copy of the table; use memory_kind='device', or the "
-            "synchronous step (a_sync=False)"
-        )
+    if host:
+        on["host_tables"] = f"sparse table {host[0]!r} with memory_kind='pinned_host'"
+    check_combination(on)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,8 +150,7 @@ class Tables:
             )
         if not found:
             return None
-        _check_combinations(plan)
-        _check_host_tables(plan, found)
+        _check_combinations(plan, found)
         rules = {name: _rule(server.table(name), t.shape[1]) for name, t in found.items()}
         geo = server.geo_k_steps
         axes = () if geo else spec_axes(logical_to_spec((TABLE_ROWS, None), mesh=mesh))
@@ -218,19 +167,23 @@ class Tables:
     ) -> Rows:
         """The rows `loss_fn` (taking the model state too if `has_state`) touches on `batch`,
         fetched from their owners (see `Rows`)."""
-        named = sparse_rows.name_tables(params)
         state = (model_state,) if has_state else ()
         mesh = None if self.geo_k_steps else self.mesh  # Geo: inside each replica
-        touched = sparse_rows.touched_rows(
-            lambda: loss_fn(named, *state, batch, *rest), sparse_rows.tables(named), mesh
+        views, replaying, touched = sparse_rows.touched_views(
+            loss_fn, params, (*state, batch, *rest), mesh, self.axes
         )
-
-        def replaying(*args: Any) -> Any:
-            with lookup_scope(touched):
-                return loss_fn(*args)
-
-        views = sparse_rows.row_views(named, touched, mesh, self.axes)
         return Rows(views, replaying, touched, self)
+
+    def init(self, optimizer: optax.GradientTransformation, params: Any) -> tuple[Any, TablesState]:
+        """(params, optimizer state) of a fresh step: the tables named, the optimizer's state of
+        the dense parameters, each table's slots and, under Geo-SGD, its exchange state."""
+        params = sparse_rows.name_tables(params)
+        found = sparse_rows.tables(params)
+        geo = None
+        if self.geo_k_steps:
+            geo = {name: sparse_rows.geo_init(table[...]) for name, table in found.items()}
+        dense = init_optimizer(optimizer, sparse_rows.without_tables(params))
+        return params, TablesState(dense, sparse_rows.init_slots(self.rules, found), geo)
 
     def geo(
         self, params: Any, geo: dict[str, GeoRows], touched: dict[str, TouchedRows], step: Any
@@ -257,38 +210,3 @@ class Tables:
 
         due = (step + 1) % self.geo_k_steps == 0
         return lax.cond(due, exchange, lambda p, g: (p, g), params, geo)
-
-
-def init_state(
-    plan: Plan, mesh: Mesh, optimizer: optax.GradientTransformation, params: Any
-) -> tuple[Any, Any]:
-    """(params, optimizer state) of a fresh step: with sparse tables, the tables named and a
-    `TablesState` (the optimizer's state of the dense parameters, each table's slots)."""
-    tables = Tables.find(plan, mesh, params)
-    if tables is None:
-        return params, optimizer.init(params)
-    params = sparse_rows.name_tables(params)
-    found = sparse_rows.tables(params)
-    geo = None
-    if tables.geo_k_steps:
-        geo = {name: sparse_rows.geo_init(table[...]) for name, table in found.items()}
-    dense = optimizer.init(sparse_rows.without_tables(params))
-    return params, TablesState(dense, sparse_rows.init_slots(tables.rules, found), geo)
-
-
-def slot_specs(opt_state: TablesState, params: Any, specs: Any) -> tuple[dict, dict | None]:
-    """(slots, geo) specs of a `TablesState`: split over the axes of their table's rows, which
-    `specs` (shaped like `params`) give."""
-    row_axes = {}
-
-    def note(table: Any, spec: Any) -> None:
-        if is_table(table):
-            spec = spec.get_value() if is_table(spec) else spec  # nnx keeps the wrapper
-            row_axes[table.get_metadata()["table_name"]] = PartitionSpec(spec[0])
-
-    jax.tree.map(note, params, specs, is_leaf=is_table)
-
-    def by_name(tree: dict[str, Any]) -> dict[str, Any]:
-        return {name: jax.tree.map(lambda _, s=row_axes[name]: s, v) for name, v in tree.items()}
-
-    return by_name(opt_state.slots), None if opt_state.geo is None else by_name(opt_state.geo)

@@ -35,6 +35,7 @@ import os
 import shutil
 import socket
 import threading
+import time
 import uuid
 import warnings
 from typing import Any
@@ -44,11 +45,14 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax import lax
+from jax.experimental import multihost_utils
 
 STATE, EXTRA, MANIFEST = "state", "extra", "fleetjax"  # the items of every checkpoint
 MANIFEST_FILE = "manifest.json"  # in the MANIFEST item: the marker and the checksums
 LOCK_FILE = ".fleetjax-lock"
+_ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"  # orbax writes it in every step folder
 _TRASH_PREFIX = ".fleetjax-deleting-"  # an old checkpoint on its way out: never listed
+_ASIDE_PREFIX = "corrupt-"  # a damaged checkpoint moved out of the listing: kept, never deleted
 _FORMAT = 1
 
 
@@ -240,6 +244,8 @@ class CheckpointManager:
             lock.release()
             raise
         self._clean_up()
+        for step in self._orphans():
+            self._set_aside(step, self._orphan_problem(step))
         return lock
 
     # -- listing -----------------------------------------------------------------------------
@@ -258,6 +264,40 @@ class CheckpointManager:
             return []
         steps = (int(n) for n in names if n.isdigit() and n == str(int(n)))
         return sorted(s for s in steps if os.path.isdir(os.path.join(self._path(s), MANIFEST)))
+
+    def _orphans(self) -> list[int]:
+        """Step folders that orbax wrote but that have no manifest (it was deleted, or a
+        fleetjax without manifests wrote them): damaged checkpoints, never a user's folder."""
+        try:
+            names = os.listdir(self.directory)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        steps = [int(n) for n in names if n.isdigit() and n == str(int(n))]
+        return sorted(
+            s
+            for s in steps
+            if not os.path.isdir(os.path.join(self._path(s), MANIFEST))
+            and os.path.exists(os.path.join(self._path(s), _ORBAX_STEP_METADATA))
+        )
+
+    def _orphan_problem(self, step: int) -> str:
+        return (
+            f"{self._path(step)} holds orbax's files but no {MANIFEST}/{MANIFEST_FILE} (deleted, "
+            "or written by a fleetjax without manifests), so it cannot be verified"
+        )
+
+    def _set_aside(self, step: int, problem: str) -> None:
+        """Warn that checkpoint `step` is skipped and why; a writer also moves it out of the
+        listing (kept, never deleted), so that the step can be saved again."""
+        where = ""
+        if not self.read_only and jax.process_index() == 0:
+            stamp = time.strftime("%Y%m%dT%H%M%S")
+            aside = os.path.join(
+                self.directory, f"{_ASIDE_PREFIX}{step}-{stamp}-{uuid.uuid4().hex[:6]}"
+            )
+            os.rename(self._path(step), aside)
+            where = f"; moved to {aside} (kept for a look; step {step} can be saved again)"
+        warnings.warn(f"skipping checkpoint {step}: {problem}{where}", RuntimeWarning, stacklevel=3)
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None."""
@@ -512,23 +552,34 @@ class CheckpointManager:
 
     def restore_latest_intact(self, target: Any) -> tuple[int, Any, dict[str, Any]]:
         """`(step, state, extra)` of the newest checkpoint that restores intact: each newer
-        one that raises `CorruptCheckpointError` is skipped with a warning saying why.
+        one that raises `CorruptCheckpointError`, or that lost its manifest, is skipped with a
+        warning saying why, and a writer moves it aside (to `corrupt-<step>-<time>-<id>` in
+        the directory: kept, never listed), so that training on can save that step again.
 
         Raises:
           FileNotFoundError: if there is no checkpoint.
           CorruptCheckpointError: if none is intact (naming what is wrong with each).
           ValueError: if the target's tree or shapes differ from a checkpoint's.
         """
-        steps = self.all_steps()
-        if not steps:
+        steps, orphans = self.all_steps(), self._orphans()
+        if not steps and not orphans:
             raise FileNotFoundError(self._missing(None, steps))
-        problems = []
-        for step in reversed(steps):
-            try:
-                return (step, *self.restore(target, step))
-            except CorruptCheckpointError as e:
-                warnings.warn(f"skipping checkpoint {step}: {e}", RuntimeWarning, stacklevel=2)
-                problems.append(str(e))
+        problems, moved = [], False
+        try:
+            for step in sorted({*steps, *orphans}, reverse=True):
+                if step in orphans:
+                    problem = self._orphan_problem(step)
+                else:
+                    try:
+                        return (step, *self.restore(target, step))
+                    except CorruptCheckpointError as e:
+                        problem = str(e)
+                self._set_aside(step, problem)
+                problems.append(problem)
+                moved = not self.read_only
+        finally:
+            if moved and jax.process_count() > 1:  # the others list the directory anew after
+                multihost_utils.sync_global_devices("fleetjax-checkpoint-set-aside")
         raise CorruptCheckpointError(
             f"no intact checkpoint in {self.directory}: " + " | ".join(problems)
         )

@@ -108,7 +108,39 @@ def _records(source: Any, transform: Transform | None) -> tuple[grain.MapDataset
         )
     if len(records) >= 2**62:
         raise ValueError("source is infinite (repeated); give one epoch of records")
-    return (records if transform is None else records.map(transform)), None
+    return (records if transform is None else _transformed(records, transform)), None
+
+
+def _layout(record: Any) -> dict[str, str]:
+    """{leaf path: dtype[shape]} of a record."""
+    leaves = jax.tree_util.tree_flatten_with_path(record)[0]
+    return {
+        jax.tree_util.keystr(path) or "the record": f"{np.asarray(x).dtype}{list(np.shape(x))}"
+        for path, x in leaves
+    }
+
+
+def _transformed(records: grain.MapDataset, transform: Transform) -> grain.MapDataset:
+    """`records` after `transform`, each checked against record 0's: grain stacks the records
+    of a batch leaf by leaf, and says only that they differ."""
+    expected = _layout(transform(records[0]))
+
+    def checked(index: int, record: Any) -> Any:
+        out = transform(record)
+        if (got := _layout(out)) != expected:
+            differ = [
+                f"{leaf}: {got.get(leaf, 'missing')} (record 0: {expected.get(leaf, 'missing')})"
+                for leaf in {**expected, **got}
+                if got.get(leaf) != expected.get(leaf)
+            ]
+            raise ValueError(
+                f"the loader's transform returned for record {index} another tree, shape or "
+                f"dtype than for record 0, so they cannot be stacked into a batch: "
+                f"{'; '.join(differ)}"
+            )
+        return out
+
+    return records.map_with_index(checked)
 
 
 def _process_rows(step: TrainStep, global_batch_size: int) -> range:
@@ -252,7 +284,8 @@ class Loader:
         self._pipeline = {"global_batch_size": global_batch_size, "seed": seed, "shuffle": shuffle}
         if _is_file_list(source):
             records, self.batches_per_epoch = self._own_files(list(source))
-            records, batch_fn = records if transform is None else records.map(transform), None
+            records = records if transform is None else _transformed(records, transform)
+            batch_fn = None
             first, parts = 0, 1  # each process batches its own records
         else:
             records, batch_fn = _records(source, transform)

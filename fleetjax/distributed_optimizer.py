@@ -9,13 +9,13 @@ from typing import Any
 import optax
 from jax.sharding import Mesh
 
-from fleetjax import xla_flags
 from fleetjax.mesh import data_axes, data_parallel_size
 from fleetjax.optimizers import rebuild
-from fleetjax.plan import Plan, check_mesh, mesh_for, read_plan
+from fleetjax.plan import Plan, check_mesh, mesh_for, prepare, read_plan
 from fleetjax.strategy import DistributedStrategy, Strategy
+from fleetjax.transforms import gradient_merge
 
-__all__ = ["DistributedOptimizer", "bind", "distributed_optimizer"]
+__all__ = ["DistributedOptimizer", "assemble", "bind", "distributed_optimizer"]
 
 # Paddle's dygraph optimizer calls: they need a model's training state, which the fleet holds.
 _DYGRAPH_CALLS = frozenset(
@@ -37,9 +37,10 @@ class DistributedOptimizer:
     """An optax transformation bound to the strategy and mesh it runs under.
 
     Attributes:
-      inner: what the strategy trains with: the user's optimizer, or Paddle's rebuild of it
-        (LARS from a Momentum, LAMB from an Adam, DGC, LocalSGD). It has `init` and `update`
-        like any optax transformation.
+      inner: what the strategy trains with (`assemble`): the user's optimizer, or Paddle's
+        rebuild of it (LARS from a Momentum, LAMB from an Adam, DGC, LocalSGD, Geo-SGD), under
+        gradient merge across calls stepping on every k-th call. It has `init` and `update`
+        like any optax transformation, and is what a train step of it trains with.
       strategy: a copy of the strategy.
       mesh: the device mesh.
       user: the optimizer the user gave.
@@ -92,20 +93,31 @@ def bind(
             f"got {type(optimizer).__name__}"
         )
     strategy = DistributedStrategy() if strategy is None else strategy
-    plan = read_plan(strategy)
-    # Before anything starts JAX's backend (building the mesh does); fleet.init did it already.
-    xla_flags.apply(plan.xla_flags, plan.strategy)
-    if mesh is None:
+    if mesh is None:  # the process's mesh: its flags first (fleet.init did both already)
+        plan, _ = prepare(strategy)
         mesh = mesh_for(plan)
-    else:
+    else:  # the backend started already: a given mesh leaves XLA_FLAGS alone
+        plan = read_plan(strategy)
         check_mesh(plan, mesh)
-    inner = optimizer
+    return DistributedOptimizer(
+        assemble(optimizer, plan, mesh), strategy.__copy__(), mesh, optimizer, plan
+    )
+
+
+def assemble(
+    optimizer: optax.GradientTransformation, plan: Plan, mesh: Mesh
+) -> optax.GradientTransformation:
+    """The optimizer that trains under `plan` on `mesh`: the optimizer switch's rebuild (or
+    wrapper) of the user's `optimizer` (`fleetjax.optimizers.rebuild`), and around it gradient
+    merge across calls (`gradient_merge.across_calls`), which steps it on every k-th call."""
     if plan.optimizer is not None:
         switch = plan.optimizer
-        inner = rebuild(
-            optimizer, switch.name, switch.configs, data_parallel_size(mesh), data_axes(mesh)
-        )
-    return DistributedOptimizer(inner, strategy.__copy__(), mesh, optimizer, plan)
+        dp, axes = data_parallel_size(mesh), data_axes(mesh)
+        optimizer = rebuild(optimizer, switch.name, switch.configs, dp, axes)
+    merge = plan.gradient_merge
+    if merge is not None and not merge.in_step:
+        optimizer = gradient_merge.across_calls(optimizer, merge.k_steps, merge.avg)
+    return optimizer
 
 
 def distributed_optimizer(

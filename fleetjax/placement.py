@@ -31,7 +31,7 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from fleetjax._tables import TablesState, slot_specs
+from fleetjax._checks import check_opt_state, check_param_specs
 from fleetjax._warnings import warn_once
 from fleetjax.layers import is_table, partition_specs
 from fleetjax.layers.sparse_embedding import on_host
@@ -46,7 +46,7 @@ from fleetjax.mesh import (
 from fleetjax.plan import Plan
 from fleetjax.train_state import TrainState
 from fleetjax.transforms.pipeline import PipelineParams
-from fleetjax.transforms.sparse_rows import tables, without_tables
+from fleetjax.transforms.sparse_rows import TablesState, tables, without_tables
 
 __all__ = ["Placement", "model_state_shardings", "param_shardings", "place"]
 
@@ -132,6 +132,8 @@ def _host_tables(params: Any, params_at: Any, opt_at: Any = None) -> tuple[Any, 
 def _tensor_specs(plan: Plan, mesh: Mesh, params: Any, param_specs: Any) -> Any:
     """The parameters' split over the non-data axes: `param_specs`, by default from the
     parameters' logical axis names, with a pipeline's stacked layers split over `pp`."""
+    if param_specs is not None:
+        check_param_specs(param_specs, params)
     specs = param_specs if param_specs is not None else partition_specs(params, mesh=mesh)
     if plan.pipeline is None:
         return specs
@@ -230,13 +232,40 @@ def _opt_state_specs(optimizer: optax.GradientTransformation, opt_state: Any, sp
     return found[0]
 
 
+def _slot_specs(opt_state: TablesState, params: Any, specs: Any) -> tuple[dict, dict | None]:
+    """(slots, geo) specs of a `TablesState`: split over the axes of their table's rows, which
+    `specs` (shaped like `params`) give."""
+    row_axes = {}
+
+    def note(table: Any, spec: Any) -> None:
+        if is_table(table):
+            spec = spec.get_value() if is_table(spec) else spec  # nnx keeps the wrapper
+            name = table.get_metadata()["table_name"]
+            if not isinstance(spec, PartitionSpec) or not spec:
+                raise ValueError(
+                    f"param_specs gives sparse table {name!r} {spec!r}, which splits none of its "
+                    "axes; a table's rows are split over the mesh, its spec names their axes "
+                    "first (fleetjax.layers.partition_specs gives each table's)"
+                )
+            row_axes[name] = PartitionSpec(spec[0])
+
+    jax.tree.map(note, params, specs, is_leaf=is_table)
+
+    def by_name(tree: dict[str, Any]) -> dict[str, Any]:
+        return {name: jax.tree.map(lambda _, s=row_axes[name]: s, v) for name, v in tree.items()}
+
+    return by_name(opt_state.slots), None if opt_state.geo is None else by_name(opt_state.geo)
+
+
 def _opt_specs(optimizer: optax.GradientTransformation, opt_state: Any, params: Any, specs: Any):
     """The optimizer state's specs; with sparse tables (a `TablesState`) the dense part's as
     the optimizer keeps it, the tables' slots split as their rows."""
     if not isinstance(opt_state, TablesState):
+        check_opt_state(optimizer, opt_state, params)
         return _opt_state_specs(optimizer, opt_state, specs)
+    check_opt_state(optimizer, opt_state.dense, without_tables(params))
     dense = _opt_state_specs(optimizer, opt_state.dense, without_tables(specs, params))
-    return TablesState(dense, *slot_specs(opt_state, params, specs))
+    return TablesState(dense, *_slot_specs(opt_state, params, specs))
 
 
 def _rows_whole(specs: Any, params: Any) -> Any:

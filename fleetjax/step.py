@@ -1,9 +1,10 @@
 """`make_train_step`: a loss and an optimizer under a strategy become one distributed step.
 
-    strategy --read_plan--> Plan --mesh_for--> Mesh
-    Plan + Mesh + abstract state --place--> Placement
-    loss + Plan + Placement --grad_chain--> gradient function
-    gradients + optimizer + loss scale --update--> TrainStep (init, __call__, run, lower)
+    strategy --read_plan--> Plan --mesh_for--> Mesh; optimizer --rebuild--> what trains
+    Plan + Mesh + abstract state --place--> Placement; the model's sparse tables
+    all of it: a StepSpec, made once per state shape
+    train_step(spec, state, batch): the gradient chain, then the update (pure)
+    TrainStep: the host's part (init, __call__, run, lower; placing, compiling, caching)
 
 One `jax.jit` over the global batch, split over the data axes; the state lives where the
 `Placement` says, and XLA inserts the collectives except where the chain's reducer or a
@@ -12,7 +13,8 @@ per-replica optimizer (`transforms.per_replica`) sends them itself. See docs/arc
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -20,28 +22,28 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from fleetjax import _liveness
 from fleetjax._batch import BatchShapes, abstract_batch, check_batch, place_batch
 from fleetjax._chain import Loss, Signature, grad_chain, stage_order
 from fleetjax._checks import check_model_state, check_params, check_state
-from fleetjax._tables import init_state, step_rows
-from fleetjax.distributed_optimizer import bind
-from fleetjax.mesh import (
-    batch_sharding,
-    constrain,
-    data_axes,
-    data_parallel_size,
-    replicated,
-    restrict,
-)
-from fleetjax.placement import Placement, param_shardings, place
+from fleetjax._tables import Tables
+from fleetjax._update import StepSpec, initial_state, train_step, update
+from fleetjax.distributed_optimizer import DistributedOptimizer, bind
+from fleetjax.mesh import batch_sharding, replicated
+from fleetjax.placement import Placement, param_shardings
 from fleetjax.strategy import DistributedStrategy, Strategy
 from fleetjax.train_state import TrainState
-from fleetjax.transforms import gradient_merge
-from fleetjax.transforms.loss_scale import DynamicLossScale, apply_if_finite
-from fleetjax.transforms.per_replica import per_replica
 from fleetjax.transforms.pipeline import PipelineLayer
 
-__all__ = ["TrainStep", "make_train_step"]
+__all__ = [
+    "Signature",
+    "StepSpec",
+    "TrainStep",
+    "grad_chain",
+    "make_train_step",
+    "train_step",
+    "update",
+]
 
 
 class TrainStep:
@@ -49,35 +51,36 @@ class TrainStep:
 
     `init(params)` places the parameters and builds the state; `step(state, batch)` returns
     `(new_state, metrics)` and donates `state`; `lower(state, batch)` works from
-    `jax.ShapeDtypeStruct`s alone (compile-only devices too).
+    `jax.ShapeDtypeStruct`s alone (compile-only devices too). The step itself is
+    `fleetjax.step.train_step(spec, state, batch)`, a pure function of the state's `StepSpec`
+    (`spec(state)`); this object does the host's part: placing, compiling, caching by state
+    shape and calling.
 
     Attributes:
       loss_fn, optimizer, strategy, plan, mesh: what the step was made from (`optimizer` is
         what trains: the strategy's rebuild of the user's, with gradient merge across calls).
       signature: what the loss takes and returns (`has_aux`, `has_rng`, `has_state`).
-      abstract_state: the state's shapes and dtypes, once a state was seen.
+      abstract_state: the shapes and dtypes of the step's state: the one `init` or
+        `abstract_init` made (before either, the first state the step saw), else None.
     """
 
     def __init__(
         self,
         loss_fn: Loss,
-        optimizer: Any,
+        optimizer: DistributedOptimizer,
         signature: Signature,
         param_specs: Any = None,
         state_specs: Any = None,
     ) -> None:
         self.loss_fn, self.signature = loss_fn, signature
         self.strategy, self.plan, self.mesh = optimizer.strategy, optimizer.plan, optimizer.mesh
-        inner, merge = optimizer.inner, self.plan.gradient_merge
-        if merge is not None and not merge.in_step:
-            inner = gradient_merge.across_calls(inner, merge.k_steps, merge.avg)
-        self.optimizer: optax.GradientTransformation = inner
-        self._param_specs, self._state_specs = param_specs, state_specs
+        self.optimizer: optax.GradientTransformation = optimizer.inner
+        self._placing = {"param_specs": param_specs, "state_specs": state_specs}
         self.batch_sharding = batch_sharding(self.mesh)  # the batch split over the data axes
-        self.abstract_state: TrainState | None = None
-        self._placement: Placement | None = None
-        self._compiled: dict[int | None, Any] = {}  # by steps per call (None: __call__)
-        self._issued: TrainState | None = None  # the last state handed out: checked already
+        self._specs: list[tuple[TrainState, StepSpec]] = []  # by state shape
+        self._own: tuple[TrainState, StepSpec] | None = None  # the step's state (see above)
+        self._compiled: dict[tuple[StepSpec, int | None], Any] = {}  # steps per call (None: 1)
+        self._issued: tuple[TrainState, StepSpec] | None = None  # the last state handed out
         self._shapes = BatchShapes()  # the batch shapes compiled for
         # XLA:CPU runs simulated devices' collectives on one thread pool: a queued step can take
         # it while an all-reduce of the last one waits, and XLA aborts after 40 s (jaxlib
@@ -85,88 +88,58 @@ class TrainStep:
         on_cpu = self.mesh.devices.flat[0].platform == "cpu"
         self._one_at_a_time = on_cpu and self.mesh.devices.size > 1
 
-    # -- placement -------------------------------------------------------------------------
+    # -- specs and placement ---------------------------------------------------------------
+    @property
+    def abstract_state(self) -> TrainState | None:
+        return None if self._own is None else self._own[0]
+
     @property
     def placement(self) -> Placement:
-        """Where the state, the gradients and the batch live (known once a state was seen:
-        after `init`, `abstract_init` or `lower`)."""
-        if self._placement is None:
+        """Where the step's state (`abstract_state`), the gradients and the batch live."""
+        if self._own is None:
             raise ValueError(
                 "the placement is known once the step has seen a state: call "
                 "step.init(params) or step.abstract_init(params) first"
             )
-        return self._placement
+        return self._own[1].placement
 
-    def _see(self, state: Any) -> Placement:
-        """The placement for `state` (real or abstract), computed once per state shape."""
+    def spec(self, state: Any) -> StepSpec:
+        """The `StepSpec` of states like `state` (arrays or `jax.ShapeDtypeStruct`s), made once
+        per state shape: its placement computed and its sparse tables found (nothing runs)."""
+        if self._issued is not None and state is self._issued[0]:
+            return self._issued[1]
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-        if self._placement is None or abstract != self.abstract_state:
-            self.abstract_state = abstract
-            specs = {"param_specs": self._param_specs, "state_specs": self._state_specs}
-            self._placement = place(self.plan, self.mesh, abstract, self.optimizer, **specs)
-            self._compiled.clear()
-        return self._placement
+        for seen, spec in self._specs:
+            if seen == abstract:
+                return spec
+        tables = Tables.find(self.plan, self.mesh, abstract.params)
+        return self._made(abstract, tables)
 
-    # -- the pure step ---------------------------------------------------------------------
-    def _initial_state(self, params: Any, rng: jax.Array, model_state: Any) -> TrainState:
-        scaling = self.plan.amp.loss_scaling if self.plan.amp else None
-        loss_scale = None if scaling is None else DynamicLossScale.create(**vars(scaling))
-        stack = lambda tree: jax.tree.map(  # noqa: E731 (every replica starts alike)
-            lambda x: jnp.broadcast_to(x, (data_parallel_size(self.mesh), *x.shape)), tree
-        )
-        params, opt_state = init_state(self.plan, self.mesh, self.optimizer, params)
-        opt_state = stack(opt_state) if self.plan.per_replica else opt_state
-        params = stack(params) if self.plan.replica_params else params
-        return TrainState(jnp.zeros((), jnp.int32), params, opt_state, rng, loss_scale, model_state)
+    def _made(self, abstract: TrainState, tables: Tables | None) -> StepSpec:
+        made = (self.plan, self.mesh, self.optimizer, self.loss_fn, self.signature)
+        spec = StepSpec.make(*made, abstract, tables, **self._placing)
+        self._specs.append((abstract, spec))
+        self._own = self._own or (abstract, spec)
+        return spec
 
-    def _step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
-        """One step: the update, or each replica's under a per-replica optimizer."""
-        key = jax.random.fold_in(state.rng, state.step) if self.signature.has_rng else None
-        if not self.plan.per_replica:
-            return self._update(state, batch, key, lambda finite: finite)
-        axes = data_axes(self.mesh)
-        specs = jax.tree.map(lambda s: restrict(s.spec, axes), self.placement.state)
-        stacked = TrainState(False, self.plan.replica_params, True, False, False, False)
-        return per_replica(self._update, self.mesh, axes, specs, stacked)(state, batch, key)
-
-    def _update(
-        self,
-        state: TrainState,
-        batch: Any,
-        key: jax.Array | None,
-        agree: Callable[[jax.Array], jax.Array],
-    ) -> tuple[TrainState, dict[str, Any]]:
-        """The update: gradients from the chain (a sparse table's for the rows the batch touches;
-        per-replica optimizers reduce their own), then the optimizer, or under loss scaling the
-        unscale, the finite check (`agree` makes replicas decide alike) and the step or its skip."""
-        placement, rest = self.placement, () if key is None else (key,)
-        rows = step_rows(self.plan, self.mesh, self.loss_fn, self.signature, state, batch, rest)
-        chain = (rows.loss_fn, self.plan, self.mesh, placement, self.signature)
-        grad_fn = grad_chain(*chain, state.loss_scale, reduce=not self.plan.per_replica)
-        out, grads = grad_fn(rows.params, state.model_state, batch, *rest)
-        if placement.grads is not None:  # ZeRO-2/3: each device keeps its shard
-            grads = constrain(grads, placement.grads)
-        opt_state = state.opt_state
-        if self.plan.optimizer_offload:  # fetched from pinned host memory for the update
-            opt_state = jax.device_put(opt_state, placement.opt_state_in_update)
-        optimizer = optax.with_extra_args_support(self.optimizer)
-
-        def apply(grads: Any) -> tuple[Any, Any]:
-            # `value` is the loss, which Adaptive LocalSGD adapts its interval to.
-            if rows.tables is not None:  # each table's rule on its touched rows, too
-                return rows.apply(optimizer, grads, opt_state, state.params, state.step, out.loss)
-            updates, new_opt = optimizer.update(grads, opt_state, state.params, value=out.loss)
-            return optax.apply_updates(state.params, updates), new_opt
-
-        if state.loss_scale is None:
-            (params, opt_state), loss_scale, extra = apply(grads), None, {}
-        else:  # a non-finite gradient leaves parameters and optimizer state unchanged
-            kept, scale = (state.params, opt_state), state.loss_scale
-            (params, opt_state), loss_scale, extra = apply_if_finite(
-                apply, kept, grads, scale, agree
-            )
-        new = TrainState(state.step + 1, params, opt_state, state.rng, loss_scale, out.model_state)
-        return new, {"loss": out.loss, **out.aux, **extra, **rows.metrics}
+    def _initial(self, params: Any, seed: int | jax.Array, model_state: Any, abstract: bool):
+        """(the initial state's function of (params, rng, model_state), its inputs, its spec):
+        with the step's state set to its shapes."""
+        check_model_state(self.signature.has_state, model_state)
+        check_params(params)
+        params, model_state = stage_order(params, model_state, self.plan, self.loss_fn, self.mesh)
+        if isinstance(seed, int):
+            key = lambda: jax.random.PRNGKey(seed)  # noqa: E731
+            rng = jax.eval_shape(key) if abstract else key()
+        else:
+            rng = seed if abstract else jnp.asarray(seed)
+        tables = Tables.find(self.plan, self.mesh, params)
+        fn = functools.partial(initial_state, self.plan, self.mesh, self.optimizer, tables)
+        shapes = jax.eval_shape(fn, params, rng, model_state)
+        found = [spec for seen, spec in self._specs if seen == shapes]
+        spec = found[0] if found else self._made(shapes, tables)
+        self._own = (shapes, spec)
+        return fn, (params, rng, model_state), spec
 
     # -- the public surface ----------------------------------------------------------------
     def abstract_init(
@@ -175,31 +148,23 @@ class TrainStep:
         """The shapes and dtypes of `init(params, seed, model_state)`'s state
         (`jax.ShapeDtypeStruct`s; nothing is computed or placed). `params` may be arrays or
         `jax.ShapeDtypeStruct`s, e.g. to `lower` the step for devices that are not there."""
-        check_model_state(self.signature.has_state, model_state)
-        check_params(params)
-        params, model_state = stage_order(params, model_state, self.plan, self.loss_fn, self.mesh)
-        rng = jax.eval_shape(lambda: jax.random.PRNGKey(seed)) if isinstance(seed, int) else seed
-        abstract = jax.eval_shape(self._initial_state, params, rng, model_state)
-        self._see(abstract)
+        self._initial(params, seed, model_state, abstract=True)
         return self.abstract_state
 
     def init(self, params: Any, seed: int | jax.Array = 0, model_state: Any = None) -> TrainState:
         """The initial state: `params` placed, a fresh optimizer state, the step key from `seed`
         (an int, or raw key data) and, with `has_state`, the `model_state` placed."""
-        check_model_state(self.signature.has_state, model_state)
-        check_params(params)
-        params, model_state = stage_order(params, model_state, self.plan, self.loss_fn, self.mesh)
-        rng = jax.random.PRNGKey(seed) if isinstance(seed, int) else jnp.asarray(seed)
-        placement = self._see(jax.eval_shape(self._initial_state, params, rng, model_state))
+        fn, (params, rng, model_state), spec = self._initial(params, seed, model_state, False)
         # Each device receives only its part (under ZeRO-3, 1/N of each parameter).
-        params_in = param_shardings(self.plan, self.mesh, params, self._param_specs)
+        params_in = param_shardings(self.plan, self.mesh, params, self._placing["param_specs"])
         placed = jax.device_put(
             (params, rng, model_state),
-            (params_in, replicated(self.mesh), placement.model_state),
+            (params_in, replicated(self.mesh), spec.placement.model_state),
         )
-        with jax.set_mesh(self.mesh):
-            self._issued = jax.jit(self._initial_state, out_shardings=placement.state)(*placed)
-        return self._issued
+        with jax.set_mesh(self.mesh), _liveness.busy():  # compiling: progress to fleetjax-run
+            state = jax.jit(fn, out_shardings=spec.placement.state)(*placed)
+        self._issued = (state, spec)
+        return state
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         """One step on the global `batch` (host data is placed here; see `shard_batch`).
@@ -214,14 +179,23 @@ class TrainStep:
 
     def _called(self, state: TrainState, batch: Any, steps: int | None = None) -> tuple:
         """The compiled step on `state` and `batch`, after checking a state it did not issue."""
-        if state is not self._issued and self.abstract_state is not None:
-            check_state(state, self.abstract_state, self.placement.state)
-        compiled = self.compiled(state, steps)
-        # Layers constrain activations by logical name against the ambient mesh.
-        with jax.set_mesh(self.mesh):
+        issued = self._issued is not None and state is self._issued[0]
+        spec = self.spec(state) if issued or self._own is None else self._checked(state)
+        compiled = self._compiled_for(spec, steps)
+        # Layers constrain activations by logical name against the ambient mesh; each step is
+        # progress for fleetjax-run's hang watch, and so is the first call's compiling.
+        with jax.set_mesh(self.mesh), _liveness.progress(self, (spec, steps)):
             out = compiled(state, batch)
-        self._issued = out[0]
+        self._issued = (out[0], spec)
         return jax.block_until_ready(out) if self._one_at_a_time else out
+
+    def _checked(self, state: TrainState) -> StepSpec:
+        """The spec of a state the step did not issue, after checking it fits one it knows
+        (else the step's own: the error says how it differs)."""
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+        seen, spec = next(((a, s) for a, s in self._specs if a == abstract), self._own)
+        check_state(state, seen, spec.placement.state)
+        return spec
 
     def run(self, state: TrainState, batches: Sequence[Any]) -> tuple[TrainState, dict[str, Any]]:
         """`num_iteration_per_run` steps (Paddle's `execution_strategy`; any number under a
@@ -241,37 +215,41 @@ class TrainStep:
     def compiled(self, state: Any, steps: int | None = None) -> Any:
         """The jitted step for states like `state` (`steps` given: a scan of that many steps
         over a list of batches, as `run` takes them)."""
-        if steps in self._compiled:  # the fast path of every call
-            return self._compiled[steps]
-        fn, batch, placement = self._step, self._see(state).batch, self.placement
+        return self._compiled_for(self.spec(state), steps)
+
+    def _compiled_for(self, spec: StepSpec, steps: int | None) -> Any:
+        if (spec, steps) in self._compiled:  # the fast path of every call
+            return self._compiled[spec, steps]
+        fn, batch = functools.partial(train_step, spec), spec.placement.batch
         if steps is not None:
 
             def fn(state: TrainState, batches: list[Any]) -> tuple[TrainState, Any]:
                 stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *batches)
-                return jax.lax.scan(self._step, state, stacked)
+                return jax.lax.scan(functools.partial(train_step, spec), state, stacked)
 
             batch = [batch] * steps
-        self._compiled[steps] = jax.jit(
+        self._compiled[spec, steps] = jax.jit(
             fn,
-            in_shardings=(placement.state, batch),
-            out_shardings=(placement.state, replicated(self.mesh)),
+            in_shardings=(spec.placement.state, batch),
+            out_shardings=(spec.placement.state, replicated(self.mesh)),
             donate_argnums=0,
         )
-        return self._compiled[steps]
+        return self._compiled[spec, steps]
 
     def lower(self, state: TrainState, batch: Any) -> jax.stages.Lowered:
         """The lowered step for `state` and `batch`: arrays or `jax.ShapeDtypeStruct`s (only
         shapes are used; nothing runs)."""
-        abstract = abstract_batch(self._checked(batch), self.batch_sharding)
+        abstract = abstract_batch(self._checked_batch(batch), self.batch_sharding)
+        spec = self.spec(state)
         with jax.set_mesh(self.mesh):
-            return self.compiled(state).lower(self.placement.shapes(state), abstract)
+            return self._compiled_for(spec, None).lower(spec.placement.shapes(state), abstract)
 
     def shard_batch(self, batch: Any) -> Any:
         """`batch` as global arrays split over the data axes, resharded if need be: host
         arrays are this process's rows of the global batch, JAX arrays global already."""
-        return place_batch(self._checked(batch), self.batch_sharding)
+        return place_batch(self._checked_batch(batch), self.batch_sharding)
 
-    def _checked(self, batch: Any) -> Any:
+    def _checked_batch(self, batch: Any) -> Any:
         merge = self.plan.in_step_merge
         return check_batch(batch, self.mesh, merge.k_steps if merge is not None else 1)
 

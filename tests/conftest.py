@@ -18,7 +18,8 @@ import fleetjax
 # is installed (the `aot` extra), and log the plugin's failed CUDA-library check.
 jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
 
-pytest_plugins = ["launching"]  # the `launcher` fixture of the tests that run fleetjax-run
+# `launcher` (tests that run fleetjax-run), `two_hosts` (network namespaces as two hosts)
+pytest_plugins = ["launching", "hosts"]
 
 
 @pytest.fixture(autouse=True)

@@ -4,6 +4,8 @@
     launch_worker.py env ARGS...   print the launcher's variables and ARGS as JSON, exit 0
     launch_worker.py fail          worker 1 exits with code 3 once all have started; the
                                    others wait
+    launch_worker.py fail0         worker 0 raises once all have started; the others wait and
+                                   print `worker N got SIGTERM` when they get it (and go on)
     launch_worker.py train         join the others with fleet.init(), then synchronise with
                                    them forever (as a training loop does)
     launch_worker.py raise         join the others with fleet.init(); worker 1 raises at once
@@ -14,6 +16,13 @@
     launch_worker.py spawn         start a child (in the worker's process group) and a detached
                                    grandchild (a session of its own), print their pids, wait
     launch_worker.py chatty N      worker 0 prints N numbered lines over about 2 s, exit 0
+    launch_worker.py steps FAULT   join the others and train with a TrainStep, silently (its
+                                   calls are the progress); at step 5 worker 1 (after printing
+                                   `fault at <time.time()>`) does FAULT: `exit3` (sys.exit(3)),
+                                   `raise_exit0` (raise SystemExit(0)), `os_exit0`
+                                   (os._exit(0)), `spin` (a busy Python loop), `sleep`
+                                   or `freeze` (SIGSTOP: not even JAX's heartbeats go on);
+                                   `none`: no fault, all stop after 10 s, exit 0
 
 Every worker first prints `pid=<its pid>`, so a test can find (and clean up) each process.
 """
@@ -21,6 +30,7 @@ Every worker first prints `pid=<its pid>`, so a test can find (and clean up) eac
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -35,6 +45,51 @@ def _joined(rank: int) -> None:
     fleet.init(is_collective=True)
     fleet.barrier_worker()
     print(f"ready: worker {fleet.worker_index()} of {fleet.worker_num()}", flush=True)
+
+
+def _faults(fault: str) -> None:
+    print(f"fault at {time.time()}", flush=True)
+    if fault == "exit3":
+        sys.exit(3)
+    if fault == "raise_exit0":
+        raise SystemExit(0)
+    if fault == "os_exit0":
+        os._exit(0)
+    if fault == "freeze":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    while fault == "spin":
+        pass
+    time.sleep(600)
+
+
+def _train_until_fault(rank: int, fault: str) -> None:
+    """Train with a TrainStep (no output per step) until worker 1's fault at step 5."""
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import fleetjax
+
+    _joined(rank)
+    step = fleetjax.make_train_step(
+        lambda params, batch: jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2),
+        optax.sgd(0.01),
+    )
+    state = step.init({"w": jnp.zeros((4, 1))})
+    rows = {"x": np.ones((8, 4), np.float32), "y": np.ones((8, 1), np.float32)}
+    begin = time.monotonic()
+    for i in range(1_000_000):
+        if rank == 1 and i == 5 and fault != "none":
+            _faults(fault)
+        # All stop at the same step: every 64 steps, worker 0 says whether 10 s passed.
+        if fault == "none" and i % 64 == 0:
+            from jax.experimental import multihost_utils
+
+            late = np.int32(rank == 0 and time.monotonic() - begin > 10)
+            if multihost_utils.broadcast_one_to_all(late):
+                return
+        state, metrics = step(state, rows)
+        float(metrics["loss"])  # as a loop that logs would: each step waits for the last
 
 
 def _wait_until_all_started() -> None:
@@ -54,13 +109,21 @@ def main(mode: str, args: list[str]) -> int:
     print(f"pid={os.getpid()}", flush=True)
     if mode == "env":
         env = {k: v for k, v in os.environ.items() if k.startswith(PREFIXES)}
-        print(json.dumps({"rank": rank, "env": env, "args": args}), flush=True)
+        script = {"argv": sys.argv, "path0": sys.path[0], "name": __name__, "file": __file__}
+        print(json.dumps({"rank": rank, "env": env, "args": args, "script": script}), flush=True)
         return 0
     if mode == "fail":
         if rank == 1:
             _wait_until_all_started()
             print("worker 1 fails", flush=True)
             return 3
+        time.sleep(600)
+        return 0
+    if mode == "fail0":
+        if rank == 0:
+            _wait_until_all_started()
+            raise RuntimeError("worker 0 fails on purpose")
+        signal.signal(signal.SIGTERM, lambda *_: print(f"worker {rank} got SIGTERM", flush=True))
         time.sleep(600)
         return 0
     if mode == "train":
@@ -98,6 +161,9 @@ def main(mode: str, args: list[str]) -> int:
             for i in range(int(args[0])):
                 print(f"line {i}", flush=True)
                 time.sleep(2 / int(args[0]))
+        return 0
+    if mode == "steps":
+        _train_until_fault(rank, args[0])
         return 0
     raise ValueError(f"unknown mode {mode!r}")
 

@@ -1,6 +1,7 @@
 """Helpers for the tests that start `python -m fleetjax.launch`: the `launcher` fixture, which
 kills whatever a test left running, and ways to find the processes a run started."""
 
+import ipaddress
 import os
 import pathlib
 import re
@@ -89,3 +90,47 @@ def launcher(tmp_path):
 
     yield start
     _kill_left_over(started)
+
+
+def worker_pid(log: pathlib.Path) -> int | None:
+    """The pid of the running worker whose log is `log` (fleetjax-run gives each worker its
+    log's path in FLEETJAX_HEARTBEAT_FILE), if any."""
+    needle = f"FLEETJAX_HEARTBEAT_FILE={log.absolute()}".encode()
+    for entry in pathlib.Path("/proc").iterdir():
+        try:
+            environ = entry.joinpath("environ").read_bytes() if entry.name.isdigit() else b""
+        except OSError:
+            continue
+        if needle in environ.split(b"\0") and alive(int(entry.name)):
+            return int(entry.name)
+    return None
+
+
+def docs_training_script(folder: pathlib.Path) -> pathlib.Path:
+    """docs/checkpoints.md's resumable training loop, as `folder/train.py`."""
+    text = (HERE.parent / "docs" / "checkpoints.md").read_text()
+    script = folder / "train.py"
+    script.write_text(re.search(r"```python\n(.*?)```", text, re.S)[1])
+    return script
+
+
+def losses(text: str) -> list[tuple[int, str]]:
+    """Every `step N: loss X` line of `text`, in order."""
+    return [(int(s), v) for s, v in re.findall(r"^step (\d+): loss (\S+)$", text, re.M)]
+
+
+def listening(port: int) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The local addresses of the TCP sockets listening on `port` (from /proc/net)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in pathlib.Path(table).read_text().splitlines()[1:]:
+            local, _, state = line.split()[1:4]
+            hex_address, _, hex_port = local.partition(":")
+            if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
+                continue
+            # 32-bit words in the host's byte order (little-endian here).
+            words = bytes.fromhex(hex_address)
+            raw = b"".join(words[i : i + 4][::-1] for i in range(0, len(words), 4))
+            address = ipaddress.ip_address(raw)
+            found.add(getattr(address, "ipv4_mapped", None) or address)
+    return found

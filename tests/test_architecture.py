@@ -1,6 +1,7 @@
 """The import graph, built from the source with `ast`: no cycle, no import from a lower layer to
 a higher one as docs/architecture.md defines the layers, and no private module imported by the
-tests, examples, benchmarks or notebooks."""
+tests, examples, benchmarks or notebooks. The size goals: no function over 80 lines (its
+docstring aside), `fleetjax/step.py` (the host's part of the step) at most 350 lines."""
 
 import ast
 import fnmatch
@@ -142,6 +143,46 @@ def test_the_layers_are_ordered_from_config_to_facade():
     ranks = [rank for rank, _, _ in layers()]
     assert ranks == sorted(ranks) and layer_of("fleetjax.strategy") == (1, "config")
     assert layer_of("fleetjax.fleet.base.role_maker")[1] == "facade"
+
+
+# -- sizes --------------------------------------------------------------------------------------
+
+FUNCTION_LINES, STEP_LINES = 80, 350
+
+
+def _long_functions(source: str, limit: int = FUNCTION_LINES) -> list[tuple[str, int]]:
+    """(name, lines) of each function over `limit` lines, its docstring not counted."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            lines = node.end_lineno - node.lineno + 1
+            first = node.body[0]
+            docstring = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+            if docstring and isinstance(first.value.value, str):
+                lines -= first.end_lineno - first.lineno + 1
+            if lines > limit:
+                found.append((node.name, lines))
+    return found
+
+
+def test_no_function_is_over_80_lines():
+    long = {
+        f"{module}.{name}": lines
+        for module, path in MODULES.items()
+        for name, lines in _long_functions(path.read_text())
+    }
+    assert long == {}
+
+
+def test_the_long_function_finder_finds_them():
+    body = "\n".join(f"    x{i} = {i}" for i in range(80))
+    documented = f'def short():\n    """Say\n    what."""\n{body.split(chr(10), 1)[1]}\n'
+    source = f"{documented}\ndef long():\n{body}\n    return 0\n"
+    assert _long_functions(source) == [("long", 82)]  # short: 80 lines and its docstring
+
+
+def test_the_step_module_keeps_to_the_hosts_part():
+    assert len((PACKAGE / "step.py").read_text().splitlines()) <= STEP_LINES
 
 
 # -- private modules in the tests, examples, benchmarks and notebooks ----------------------------

@@ -19,10 +19,14 @@ from tiny_gpt import EIGHT_HEADS as GPT_CONFIG
 from tiny_gpt import make_gpt
 
 import fleetjax
-from fleetjax import auto
+from fleetjax import auto, targets
 from fleetjax.transforms.pipeline import PipelineLayer
 
 MiB = 2**20
+needs_plugin = pytest.mark.skipif(
+    not targets.plugin_installed(),
+    reason="jax's CUDA plugin is not installed: pip install 'fleetjax[aot]'",
+)
 
 # An MLP whose Adam state under pure data parallelism overflows a 10 MiB budget: 4 MiB of
 # parameters, 8 MiB of moments; 20 MiB per device compiled.
@@ -474,3 +478,118 @@ def test_a_sequence_too_long_for_every_layout_is_split_over_cp():
     assert found.strategy.hybrid_configs["cp_degree"] == 8
     assert found.chosen.device_bytes <= 64 * MiB
     assert "dp=1 cp=8" in str(found)
+
+
+# -- compiling in a worker process -----------------------------------------------------------
+
+
+def test_compiling_in_the_worker_gives_what_compiling_here_gives():
+    """`isolate=True` (the default) compiles each candidate in a worker process from the module
+    and options jax would compile here: the same bytes, HLO costs and estimates."""
+    candidates = [{"dp": 8}, {"sharding": 8, "stage": 3}, {"dp": 2, "sharding": 4, "stage": 2}]
+    found = [
+        auto.search(
+            mlp_loss,
+            optax.adam(1e-3),
+            mlp_params(),
+            mlp_batch(),
+            candidates=candidates,
+            isolate=isolate,
+        )
+        for isolate in (True, False)
+    ]
+    for there, here in zip(*(f.candidates for f in found), strict=True):
+        assert there.memory == here.memory
+        assert there.device_bytes == here.device_bytes
+        assert (there.xla_flops, there.cost, there.time_s) == (
+            here.xla_flops,
+            here.cost,
+            here.time_s,
+        )
+
+
+def zero3_table_loss(params, batch):
+    """The rows of `batch["ids"]` in `params["table"]`, each data-parallel replica's looked up in
+    a `shard_map` manual over ``dp`` (the planner also traces it once without a mesh, for its
+    flops). With the table split over ``mp`` and, by ZeRO-3, ``sharding``, XLA's SPMD
+    partitioner aborts the process compiling this gather (a failed check in
+    spmd_partitioner_util.cc, jaxlib 0.10.2): the isolation test's candidate that aborts."""
+
+    def rows(table, ids):
+        return jnp.mean(jnp.take(table, ids, axis=0) ** 2, keepdims=True)
+
+    if not jax.sharding.get_abstract_mesh().empty:
+        rows = jax.shard_map(rows, axis_names={"dp"}, in_specs=(P(), P("dp")), out_specs=P("dp"))
+    return jnp.mean(rows(params["table"], batch["ids"]))
+
+
+def test_a_candidate_xla_aborts_on_fails_with_xlas_message_and_the_search_goes_on():
+    found = auto.search(
+        zero3_table_loss,
+        optax.sgd(0.1),
+        {"table": jnp.zeros((512, 64))},
+        {"ids": jnp.zeros((16, 4), jnp.int32)},
+        param_specs={"table": P("mp", None)},
+        candidates=[
+            {"dp": 2, "sharding": 2, "stage": 3, "mp": 2},  # aborts XLA
+            {"dp": 2, "sharding": 2, "stage": 1, "mp": 2},  # compiles (a new worker)
+        ],
+    )
+    aborted, fine = found.candidates
+    assert aborted.status == "failed" and aborted.device_bytes is None
+    assert re.match(
+        r"XLA aborted compiling it \(killed by SIGABRT\) at spmd_partitioner_util\.cc:\d+: "
+        r"Check failed: ",
+        aborted.note,
+    )
+    assert "failed: XLA aborted compiling it (killed by SIGABRT) at spmd_partitioner" in str(found)
+    assert found.chosen is fine and fine.fits
+
+
+@pytest.mark.parametrize(
+    ("h100", "layout", "width"),
+    [
+        pytest.param(False, {"sharding": 2, "stage": 3, "pp": 2, "mp": 2}, 32, id="8-cpu"),
+        pytest.param(
+            True,
+            {"sharding": 16, "stage": 3, "pp": 8, "mp": 8},
+            1024,
+            marks=[pytest.mark.slow, needs_plugin],
+            id="1024-h100",
+        ),
+    ],
+)
+def test_a_gpt_with_a_jnp_take_embedding_compiles_under_zero3_pp_and_mp(h100, layout, width):
+    """Issue 21's abort: a GPT whose embedding is a plain `jnp.take` of its table (not
+    `VocabParallelEmbedding`; the example GPT's aborted alike), ZeRO-3 x pp x mp with recompute
+    and pp micro-batches. XLA's partitioner aborted on the lookup inside the pipeline; the
+    pipeline now gathers the embedding's ZeRO-3 split first, and the step compiles (isolated,
+    so that a regression fails this test instead of ending the run)."""
+    from flax import nnx
+    from gpt import GPT, GPTConfig, GPTFunctions
+
+    pp = layout["pp"]
+    config = GPTConfig(GPT_CONFIG.vocab_size * 8, 8, width, 8, pp, 4 * width)
+    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    gpt, params = GPTFunctions(model), nnx.to_pure_dict(nnx.state(model))
+
+    def take_embed(p, batch):
+        tokens = batch["tokens"][:, :-1]
+        words = jnp.take(p["word_embeddings"]["weight"], tokens, axis=0)
+        return words + p["position_embeddings"][: tokens.shape[-1]]
+
+    rows = layout["sharding"] * pp  # one row per micro-batch
+    devices = math.prod(layout[a] for a in ("sharding", "pp", "mp"))
+    found = auto.search(
+        PipelineLayer(take_embed, fleetjax.recompute(gpt.stage), gpt.head_loss),
+        optax.adam(1e-4),
+        gpt.pipeline_params(params),
+        {"tokens": jax.ShapeDtypeStruct((rows, 9), jnp.int32)},
+        param_specs=gpt.pipeline_params(gpt.partition_specs()),
+        candidates=[{**layout, "recompute": True, "micro_batches": pp}],
+        devices=targets.devices("h100", devices) if h100 else None,
+        memory_budget=2**40,
+    )
+    (candidate,) = found.candidates
+    assert candidate.status == "fits", candidate.note
+    assert candidate.layout.stage == 3 and candidate.strategy.pipeline

@@ -99,6 +99,45 @@ def test_flipped_bytes_in_an_array_are_detected(three_steps):
     assert_same(state, state_of(2))
 
 
+def test_a_corrupt_step_is_moved_aside_so_that_training_on_saves_it_again(three_steps):
+    # The resume loop of docs/checkpoints.md: restore the newest intact step (2), train on and
+    # save step 3 again, on every restart; the damaged folder is kept for a look.
+    flip_16_bytes(largest_file(three_steps / "3" / "state"))
+    damaged = sorted(p.relative_to(three_steps / "3") for p in (three_steps / "3").rglob("*"))
+    with CheckpointManager(three_steps, async_save=False) as manager:
+        with pytest.warns(RuntimeWarning) as caught:
+            step, state, _ = manager.restore_latest_intact(state_of(0))
+        assert step == 2
+        assert_same(state, state_of(2))
+        (aside,) = three_steps.glob("corrupt-3-*")
+        assert re.fullmatch(r"corrupt-3-\d{8}T\d{6}-\w{6}", aside.name)
+        assert str(caught[0].message).startswith("skipping checkpoint 3: checkpoint 3 in ")
+        assert str(caught[0].message).endswith(
+            f"; moved to {aside} (kept for a look; step 3 can be saved again)"
+        )
+        assert manager.all_steps() == [1, 2]
+        manager.save(3, state_of(3))
+        assert manager.restore(state_of(0))[0]["w"].sum() == state_of(3)["w"].sum()
+    assert sorted(p.relative_to(aside) for p in aside.rglob("*")) == damaged
+
+
+def test_a_step_without_its_manifest_is_not_skipped_silently(three_steps):
+    shutil.rmtree(three_steps / "3" / "fleetjax")
+    reader = CheckpointManager(three_steps, read_only=True)
+    assert reader.all_steps() == [1, 2]
+    lost = rf"skipping checkpoint 3: {re.escape(str(three_steps))}/3 holds orbax's files but no "
+    lost += r"fleetjax/manifest.json \(deleted, or written by a fleetjax without manifests\)"
+    with pytest.warns(RuntimeWarning, match=lost + ", so it cannot be verified$"):
+        assert reader.restore_latest_intact(state_of(0))[0] == 2
+    assert (three_steps / "3").is_dir()  # a reader moves nothing
+    # A writer moves it aside when it opens the directory, so step 3 can be saved again.
+    with pytest.warns(RuntimeWarning, match=lost + r".*; moved to .*/corrupt-3-"):
+        writer = CheckpointManager(three_steps, async_save=False)
+    with writer:
+        writer.save(3, state_of(3))
+        assert writer.all_steps() == [1, 2, 3]
+
+
 def test_readable_arrays_that_are_not_the_saved_ones_fail_their_checksum(three_steps):
     """Step 2's arrays in step 3's folder: a store that reads without error, wrong values."""
     shutil.rmtree(three_steps / "3" / "state")

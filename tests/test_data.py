@@ -164,6 +164,29 @@ def test_an_error_in_the_transform_reaches_the_loop(step):
             next(loader)
 
 
+def test_a_transform_that_returns_another_shape_names_the_record_and_the_leaf(step):
+    # grain would say only "Expected all input elements to have the same structure".
+    def cut(record):
+        return {**record, "x": record["x"][:3]} if record["id"] == 13 else record
+
+    def grows(record):
+        return {**record, "extra": np.float32(1)} if record["id"] == 13 else record
+
+    with Loader(records(), step, 8, shuffle=False, transform=cut) as loader:
+        next(loader)
+        with pytest.raises(
+            ValueError,
+            match=r"^the loader's transform returned for record 13 another tree, shape or dtype "
+            r"than for record 0, so they cannot be stacked into a batch: \['x'\]: float32\[3\] "
+            r"\(record 0: float32\[4\]\)",
+        ):
+            next(loader)
+    with Loader(records(), step, 8, shuffle=False, transform=grows, prefetch=0) as loader:
+        next(loader)
+        with pytest.raises(ValueError, match=r"\['extra'\]: float32\[\] \(record 0: missing\)"):
+            next(loader)
+
+
 # -- resuming --------------------------------------------------------------------------------
 def test_the_state_resumes_at_the_next_unseen_batch(step, tmp_path):
     loader = Loader(records(), step, 16, seed=3, prefetch=3)

@@ -234,7 +234,7 @@ def test_auto_ranks_given_layouts_for_16_h100s_with_the_targets_constants():
         ],
     )
     h100 = targets.get("h100").spec
-    assert found.device == auto.DeviceSpec.of_target(targets.get("h100"))
+    assert found.device == targets.get("h100").device_spec()
     assert (found.device.peak_flops, found.device.network_bandwidth) == (
         h100.peak_bf16_flops,
         h100.network_bandwidth,

@@ -27,6 +27,7 @@ PUBLIC_MODULES = (
     "fleetjax.fleet.auto",
     "fleetjax.fleet.utils",
     "fleetjax.optimizers",
+    "fleetjax.optimizers.sparse_rules",
     "fleetjax.mesh",
     "fleetjax.checkpoint",
     "fleetjax.data",
@@ -47,6 +48,8 @@ PUBLIC_MODULES = (
     "fleetjax.xla_flags",
     "fleetjax.auto",
     "fleetjax.targets",
+    "fleetjax.cost",
+    "fleetjax.knobs",
 )
 
 

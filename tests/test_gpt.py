@@ -2,6 +2,7 @@
 XLA compiles exactly Megatron's communication."""
 
 import dataclasses
+import math
 import pathlib
 import re
 import sys
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from hlo import collectives
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -20,7 +22,7 @@ from fleetjax.transforms import recompute
 from fleetjax.transforms.pipeline import PipelineLayer, PipelineParams, pipeline
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
-from gpt import GPTConfig, make_gpt
+from gpt import Attention, GPTConfig, make_gpt
 
 ROWS = 8
 CONFIG = GPTConfig(
@@ -145,6 +147,24 @@ def test_runs_in_the_pipeline_transform_with_mp(gpt, batch, reference):
     expected_loss, expected_grads = reference  # micro-batches of equal size: the same mean
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-6)
     chex.assert_trees_all_close(grads, model.pipeline_params(expected_grads), rtol=1e-5, atol=1e-6)
+
+
+def test_attention_is_the_causal_softmax_formula():
+    """`jax.nn.dot_product_attention` (XLA's on CPU) gives what the formula gives: softmax of
+    q k^T / sqrt(head_dim), causally masked, times v, between the two projections."""
+    attention = Attention(CONFIG, rngs=nnx.Rngs(3))
+    p = nnx.to_pure_dict(nnx.state(attention))
+    x = jax.random.normal(jax.random.key(4), (ROWS, LENGTH, WIDTH))
+    heads, head_dim = CONFIG.num_attention_heads, CONFIG.head_dim
+    qkv = x @ p["qkv_proj"]["weight"] + p["qkv_proj"]["bias"]
+    q, k, v = jnp.moveaxis(qkv.reshape(ROWS, LENGTH, heads, 3, head_dim), 3, 0)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head_dim)
+    scores = jnp.where(jnp.tril(jnp.ones((LENGTH, LENGTH), bool)), scores, -jnp.inf)
+    out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+    expected = out.reshape(ROWS, LENGTH, WIDTH) @ p["out_proj"]["weight"] + p["out_proj"]["bias"]
+    np.testing.assert_allclose(jax.jit(attention)(x), expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="attention_implementation must be None, 'xla' or 'cudnn'"):
+        GPTConfig(attention_implementation="flash")
 
 
 def test_layers_are_marked_for_recompute(gpt, batch, reference):

@@ -127,7 +127,7 @@ def test_a_node_is_a_process_by_default():
             {"sharding": True, "sharding_configs": {"sharding_degree": 8, "stage": 2}},
             "does not combine with ZeRO stage 2/3",
         ),
-        ({"dgc": True}, "does not combine with dgc/localsgd"),
+        ({"dgc": True}, "does not combine with dgc"),
     ],
 )
 def test_what_it_cannot_do_is_an_error(fields, message):

@@ -1,6 +1,8 @@
-"""docs/knobs.md stays true: one row per strategy field, the XLA flags fleetjax really maps, and
-what fleetjax really does when each knob is set (warns, raises or stays silent)."""
+"""docs/knobs.md stays true: its tables are the schema's (`fleetjax.knobs`, one row per strategy
+field), with the XLA flags fleetjax really maps, and what fleetjax really does when each knob is
+set (warns, raises or stays silent)."""
 
+import dataclasses
 import pathlib
 import re
 import warnings
@@ -9,6 +11,7 @@ from typing import Any
 import pytest
 
 import fleetjax
+from fleetjax import knobs
 from fleetjax.plan import XLA_FUSES, read_plan
 
 DOC = pathlib.Path(__file__).parent.parent / "docs" / "knobs.md"
@@ -72,15 +75,38 @@ SCHEMA = {
 }
 
 
+def test_the_tables_are_the_schemas():
+    """Run `python -m fleetjax.knobs docs/knobs.md` after changing a knob's schema field."""
+    text = DOC.read_text()
+    assert knobs.render(text) == text
+
+
 def test_every_field_has_exactly_one_row():
     assert sorted(set(SCHEMA) - set(ROWS)) == [], "fields missing from docs/knobs.md"
     assert sorted(set(ROWS) - set(SCHEMA)) == [], "rows for fields the schema does not have"
+    made = {f"{owner}.{path}" for owner, cls in knobs.OWNERS.items() for path in knobs.knobs(cls)}
+    assert made == set(SCHEMA)
 
 
 def test_kinds_and_when_set_use_the_legend():
+    assert set(knobs.KINDS) == KINDS and set(knobs.WHEN) == WHEN
     for key, (kind, when, _) in ROWS.items():
         assert kind in KINDS, key
         assert when in WHEN, key
+
+
+def test_a_schema_field_outside_the_legend_is_refused():
+    spec = fleetjax.DistributedStrategy.SPEC
+    bad = dataclasses.replace(spec.field("amp"), kind="magic")
+    broken = dataclasses.replace(
+        spec, fields=tuple(bad if f.name == "amp" else f for f in spec.fields)
+    )
+
+    class Broken:
+        SPEC = broken
+
+    with pytest.raises(ValueError, match="schema field amp: kind 'magic'"):
+        knobs.knobs(Broken)
 
 
 # -- XLA flags ---------------------------------------------------------------------------------

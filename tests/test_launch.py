@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 import pytest
-from launching import ENV, WORKER, free_port, wait_for
+from launching import ENV, WORKER, free_port, listening, wait_for
 
 from fleetjax import launch
 
@@ -41,6 +41,9 @@ def test_plan_on_cpu():
             "JAX_PLATFORMS": "cpu",
             "JAX_NUM_CPU_DEVICES": "4",
             "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
+            # fleet.init()'s join: JAX's wait for the others, its heartbeat timeout (s)
+            "FLEETJAX_JOIN_TIMEOUT": "300",
+            "FLEETJAX_JAX_HEARTBEAT_TIMEOUT": "8",
         }
         for rank in range(2)
     ]
@@ -74,6 +77,24 @@ def test_plan_finds_gpus_and_this_node():
     )
 
 
+def test_fleetruns_other_spellings():
+    # fleetrun's --worker_num and --trainers (parameter-server trainers), --selected_gpus.
+    a = launch.parse_args(
+        ["--worker_num", "2", "--trainers", "1.2.3.4:5", "--selected_gpus", "0", "t.py"]
+    )
+    b = launch.parse_args(["--trainer_num", "2", "--workers", "1.2.3.4:5", "--gpus", "0", "t.py"])
+    assert vars(a) == vars(b)
+    planned = plan("--server_num", "1", "--worker_num", "2", "--start_port", "6100")
+    assert [(w.role, w.rank) for w in planned] == [("worker", 0), ("worker", 1), ("server", 0)]
+
+
+def test_the_defaults_for_faults():
+    args = launch.parse_args(["train.py"])
+    # Paddle's --max_restart 3 applies with --elastic_level >= 1 (Paddle's default -1: none).
+    assert (args.max_restart, args.elastic_level, args.elastic_timeout) == (None, -1, 30)
+    assert (args.heartbeat_timeout, args.peer_timeout, args.join_timeout) == (1800, 4, 300)
+
+
 def test_plan_with_paddles_node_options():
     # --rank is the node's place in --ips (as --host), --nnodes their number.
     workers = plan("--ips", "10.0.0.1,10.0.0.2", "--rank", "1", "--nnodes", "2")
@@ -101,7 +122,9 @@ def test_plan_with_paddles_node_options():
         (
             ["--gpus", "0,1"],
             None,
-            "--devices (--gpus) 0,1 names GPUs, but this machine has none (JAX_PLATFORMS=cpu)",
+            "--devices (--gpus) 0,1 names GPUs, but this machine has none (JAX_PLATFORMS=cpu); "
+            "without GPUs, give the processes with --nproc_per_node and each one's simulated "
+            "CPU devices with --cpu_devices_per_proc",
         ),
         (
             ["--devices", "0"],
@@ -143,10 +166,21 @@ def test_plan_with_paddles_node_options():
             "meet at --master",
         ),
         (
-            ["--nnodes", "2:4", "--master", "10.0.0.1:8090"],
+            ["--nnodes", "1:2", "--ips", "10.0.0.1,10.0.0.2"],
             None,
-            "--nnodes must be a number of nodes (at least 1), got '2:4'; fleetjax-run starts a "
-            "fixed number of nodes (no elastic min:max range)",
+            "--nnodes 1:2 (an elastic range) needs --master, where nodes can come and go; --ips "
+            "lists a fixed set of nodes",
+        ),
+        (
+            ["--nnodes", "3:2", "--master", "10.0.0.1:8090"],
+            None,
+            "--nnodes must be a number of nodes (at least 1) or a range min:max, got '3:2'",
+        ),
+        (
+            ["--ips", "10.0.0.1,10.0.0.2", "--host", "10.0.0.2", "--start_port", "1"],
+            None,
+            "--start_port 1: the launchers of --ips nodes meet at the first node's port "
+            "start_port - 1, so it must be at least 2",
         ),
         (
             ["--master", "10.0.0.1:8090", "--ips", "10.0.0.1"],
@@ -177,9 +211,14 @@ def test_plan_errors(argv, environ, message):
         ([], "no training script: fleetjax-run [options] train.py [its arguments]"),
         (["--nproc_per_node", "two", "{script}"], "argument --nproc_per_node: invalid int value"),
         (
-            ["--heartbeat_timeout", "0", "{script}"],
-            "argument --heartbeat_timeout: must be a positive number of seconds, got '0'",
+            ["--heartbeat_timeout", "-1", "{script}"],
+            "argument --heartbeat_timeout: must be a number of seconds (0 or more), got '-1'",
         ),
+        (
+            ["--peer_timeout", "0.5", "{script}"],
+            "--peer_timeout must be at least 1 second, got 0.5",
+        ),
+        (["--max_restart", "-1", "{script}"], "--max_restart must be 0 or more, got -1"),
         (["--no_such_option", "{script}"], "unrecognized arguments: --no_such_option"),
     ],
 )
@@ -215,6 +254,13 @@ def test_workers_get_their_variables_and_a_new_log_each_run(launcher, tmp_path):
         log = tmp_path / "log" / f"workerlog.{rank}"
         assert record["env"]["FLEETJAX_HEARTBEAT_FILE"] == str(log.absolute())
     assert len({record["env"]["FLEETJAX_RUN_ID"] for record in records}) == 1
+    # The script runs as `python launch_worker.py ...` would run it (under the worker entry).
+    assert records[0]["script"] == {
+        "argv": [str(WORKER), "env", "--flag", "value"],
+        "path0": str(WORKER.parent),
+        "name": "__main__",
+        "file": str(WORKER),
+    }
     # Worker 0 is also on the console, worker 1 only in its log.
     assert '"rank": 0' in out and '"rank": 1' not in out
     assert "fleetjax-run: starting workers 0..1 of 2" in err
@@ -292,7 +338,7 @@ def test_a_node_of_another_job_is_refused(launcher, tmp_path):
     master = f"127.0.0.1:{free_port()}"
     common = ["--master", master, "--nnodes", "2", "--nproc_per_node", "1"]
     serving = launcher(*common, "--job_id", "a", str(WORKER), "env", log_dir=tmp_path / "a")
-    wait_for(lambda: serving.poll() is not None or _listens(int(master.split(":")[1])), 60, "a")
+    wait_for(lambda: serving.poll() is not None or listening(int(master.split(":")[1])), 60, "a")
     other = launcher(*common, "--job_id", "b", str(WORKER), "env", log_dir=tmp_path / "b")
     _, err = other.communicate(timeout=60)
     assert other.returncode == 2
@@ -329,27 +375,6 @@ def test_nodes_asking_for_one_rank_are_refused(launcher, tmp_path):
 
 
 # -- the coordinator ---------------------------------------------------------------------------
-def _listening(port: int) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
-    """The local addresses of the TCP sockets listening on `port` (from /proc/net)."""
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in pathlib.Path(table).read_text().splitlines()[1:]:
-            local, _, state = line.split()[1:4]
-            hex_address, _, hex_port = local.partition(":")
-            if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
-                continue
-            # 32-bit words in the host's byte order (little-endian here).
-            words = bytes.fromhex(hex_address)
-            raw = b"".join(words[i : i + 4][::-1] for i in range(0, len(words), 4))
-            address = ipaddress.ip_address(raw)
-            found.add(getattr(address, "ipv4_mapped", None) or address)
-    return found
-
-
-def _listens(port: int) -> bool:
-    return bool(_listening(port))
-
-
 def test_the_coordinator_listens_on_the_named_address_only(launcher, tmp_path):
     port = free_port()
     launcher(
@@ -359,4 +384,4 @@ def test_the_coordinator_listens_on_the_named_address_only(launcher, tmp_path):
     logs = [tmp_path / "log" / f"workerlog.{rank}" for rank in (0, 1)]
     wait_for(lambda: all(log.exists() and "ready" in log.read_text() for log in logs), 120, "ready")
     # Loopback only (maybe as IPv6's ::ffff:127.0.0.1), not every interface (0.0.0.0, [::]).
-    assert _listening(port) == {ipaddress.ip_address("127.0.0.1")}
+    assert listening(port) == {ipaddress.ip_address("127.0.0.1")}

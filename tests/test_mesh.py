@@ -56,6 +56,8 @@ def test_explicit_axis_types_and_devices():
         ({"mp": 3}, "cannot infer dp: 8 devices are not divisible by sharding x pp x mp = 1"),
         ({"mp": 0}, "mp degree must be a positive int, got 0"),
         ({"dp": -2}, "dp degree must be -1 or a positive int, got -2"),
+        ({"mp": True}, "mp degree must be a positive int, got True"),
+        ({"dp": 2.0}, "dp degree must be -1 or a positive int, got 2.0"),
         ({"order": ["dp", "pp", "mp"]}, "order must name each of dp, sharding, pp, mp"),
         ({"order": ["dp", "pp", "sharding", "mp", "mp"]}, "exactly once"),
     ],

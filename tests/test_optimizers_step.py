@@ -154,7 +154,7 @@ class TestRefusals:
             )
 
     def test_fp16_allreduce_with_dgc(self):
-        with pytest.raises(ValueError, match="fp16_allreduce and dgc cannot be combined"):
+        with pytest.raises(ValueError, match="fp16_allreduce does not combine with dgc"):
             fleetjax.make_train_step(
                 loss_fn,
                 fo.momentum(0.1),

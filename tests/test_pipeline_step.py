@@ -263,7 +263,7 @@ class TestErrors:
 
     def test_per_replica_optimizers_clash(self):
         s = pipelined(localsgd=True)
-        with pytest.raises(ValueError, match="the pipeline does not combine with dgc/localsgd"):
+        with pytest.raises(ValueError, match="the pipeline does not combine with localsgd"):
             fleetjax.make_train_step(MODEL, optax.sgd(0.1), s)
 
     def test_the_model_alone_is_the_unpipelined_loss(self):

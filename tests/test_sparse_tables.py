@@ -12,6 +12,7 @@ import optax
 import pytest
 from flax import nnx
 from hlo import collectives
+from jax.sharding import PartitionSpec as P
 
 import fleetjax
 from fleetjax import targets
@@ -348,7 +349,8 @@ class TestComposition:
     )
     def test_switches_tables_do_not_combine_with_are_refused(self, fields, clash):
         step = fleetjax.make_train_step(loss_fn, optax.sgd(LR), strategy(**fields))
-        with pytest.raises(ValueError, match=f"sparse tables do not combine with .*{clash}"):
+        message = f"a model with sparse tables does not combine with .*{clash}"
+        with pytest.raises(ValueError, match=message):
             step.init(params())
 
 
@@ -439,7 +441,7 @@ class TestHostTables:
         step = fleetjax.make_train_step(loss_fn, optax.sgd(LR), s)
         with pytest.raises(
             ValueError,
-            match=r"sparse table 'emb' has memory_kind='pinned_host', which does not combine "
+            match=r"sparse table 'emb' with memory_kind='pinned_host' does not combine "
             r"with Geo-SGD \(a_sync=True, a_sync_configs.k_steps=2\)",
         ):
             step.init(params("pinned_host"))
@@ -494,6 +496,26 @@ class TestBadInput:
         step = fleetjax.make_train_step(loss_fn, optax.sgd(LR), s)
         with pytest.raises(
             ValueError, match=r"names \['embedding_0.w_0'\], but the model's sparse tables are "
+        ):
+            step.init(params())
+
+    def test_param_specs_that_split_no_axis_of_a_table(self):
+        step = fleetjax.make_train_step(
+            loss_fn, optax.sgd(LR), strategy(), param_specs={"emb": P(), "w": P()}
+        )
+        with pytest.raises(
+            ValueError,
+            match=r"^param_specs gives sparse table 'emb' P\(\), which splits none of "
+            "its axes; a table's rows are split over the mesh, its spec names their axes first",
+        ):
+            step.init(params())
+
+    def test_param_specs_without_a_parameter(self):
+        step = fleetjax.make_train_step(loss_fn, optax.sgd(LR), strategy(), param_specs={"w": P()})
+        with pytest.raises(
+            ValueError,
+            match=r"^param_specs must give a PartitionSpec for each parameter \(params\['emb'\], "
+            r"params\['w'\]\): no spec for params\['emb'\]$",
         ):
             step.init(params())
 

@@ -1,5 +1,6 @@
 """make_train_step: data parallel on 8 devices equals plain optax on one; what XLA compiled."""
 
+import dataclasses
 import math
 import warnings
 
@@ -301,3 +302,46 @@ class TestSeveralStepsPerCall:
         assert metrics["loss"].shape == (2,)
         with pytest.raises(ValueError, match=r"run\(\) got no batches"):
             auto.run(auto.init(make_params()), [])
+
+
+# -- the step as a pure function of its spec -----------------------------------------------------
+
+
+def test_the_step_is_a_pure_function_of_its_spec():
+    step = fleetjax.make_train_step(loss_fn, optax.adamw(1e-2))
+    state, batch = step.init(make_params()), make_batch()
+    spec = step.spec(state)
+    assert isinstance(spec, fleetjax.StepSpec) and spec.placement is step.placement
+    assert spec.optimizer is step.optimizer and spec.tables is None
+    pure = jax.jit(lambda s, b: fleetjax.step.train_step(spec, s, b))
+    expected, expected_metrics = pure(state, step.shard_batch(batch))
+    new, metrics = step(state, batch)
+    chex.assert_trees_all_close(new, expected)
+    np.testing.assert_allclose(metrics["loss"], expected_metrics["loss"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.plan = None
+
+
+def test_the_placement_does_not_depend_on_the_order_of_calls():
+    """A step lowered for a state of another shape keeps its own state's placement, and
+    the compiled step of each shape (it dropped them, and placed by whichever came last)."""
+    small, large = make_params(), {**make_params(), "w1": np.zeros((16, 64), np.float32)}
+    large["b1"], large["w2"] = np.zeros(64, np.float32), np.zeros((64, 4), np.float32)
+    batch = make_batch()
+    step = fleetjax.make_train_step(loss_fn, optax.sgd(0.1))
+    state = step.init(small)
+    placement, compiled = step.placement, step.compiled(state)
+    other = step.abstract_init(large)
+    assert step.abstract_state == other and step.placement is not placement
+    state = step.init(small)
+    assert step.placement is placement and step.compiled(state) is compiled
+    step.lower(other, batch)  # another shape: its own spec, the step's state unchanged
+    assert step.placement is placement and step.compiled(state) is compiled
+    assert step.spec(other) is not step.spec(state)
+    state, _ = step(state, batch)
+    assert step.compiled(state) is compiled
+
+    lowered_first = fleetjax.make_train_step(loss_fn, optax.sgd(0.1))
+    lowered_first.lower(other, batch)
+    lowered_first.init(small)
+    assert lowered_first.placement.params == placement.params

@@ -62,6 +62,49 @@ def test_a_state_from_another_optimizer_names_the_difference():
         step(adam, make_batch())
 
 
+def test_a_state_from_another_optimizer_on_the_first_call():
+    momentum = step_for(optimizer=optax.sgd(0.1, momentum=0.9)).init(make_params())
+    with pytest.raises(
+        ValueError,
+        match=r"^the state's optimizer state was made by another optimizer \(its TraceState, "
+        r"EmptyState, this step's optimizer makes ScaleByAdamState, EmptyState\): pass a state "
+        "that this step's init made",
+    ):
+        step_for(optimizer=optax.adam(1e-3))(momentum, make_batch())
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        optax.multi_transform({"a": optax.sgd(0.1), "b": optax.adam(0.1)}, {"w": "a"}),
+        optax.adamw(0.1, mask={"w": True}),
+    ],
+    ids=["multi_transform labels", "weight-decay mask"],
+)
+def test_an_optimizer_tree_unlike_the_params_names_them(optimizer):
+    params = {"w": jnp.ones((4, 1), jnp.float32), "b": jnp.zeros((1,), jnp.float32)}
+    with pytest.raises(
+        ValueError,
+        match=r"^the optimizer does not fit the parameters: a tree it was given \(an optax "
+        r"multi_transform's param_labels, a weight-decay mask\) must have the parameters' tree "
+        r"\(params\['b'\], params\['w'\]\)\. JAX: pytree structure error: .* symmetric "
+        "difference on key sets is b",
+    ):
+        step_for(optimizer=optimizer).init(params)
+
+
+def test_param_specs_that_lack_a_parameter_or_name_none():
+    from jax.sharding import PartitionSpec as P
+
+    params = {"w": jnp.ones((4, 1), jnp.float32), "b": jnp.zeros((1,), jnp.float32)}
+    with pytest.raises(
+        ValueError,
+        match=r"^param_specs must give a PartitionSpec for each parameter \(params\['b'\], "
+        r"params\['w'\]\): no spec for params\['b'\]; param_specs\['v'\] names no parameter$",
+    ):
+        step_for(param_specs={"w": P(), "v": P()}).init(params)
+
+
 def test_a_state_of_another_model_names_the_leaf():
     other = step_for().init(make_params(width=4))
     step = step_for()
@@ -89,6 +132,16 @@ def test_has_aux_with_a_scalar_loss_says_what_to_return():
     step = step_for(has_aux=True)
     with pytest.raises(TypeError, match=r"has_aux=True, has_state=False the loss must return "
                                        r"\(loss, aux_dict\), got float32\[\]"):  # fmt: skip
+        step(step.init(make_params()), make_batch())
+
+
+def test_has_aux_with_an_aux_that_is_not_a_dict_says_what_to_return():
+    step = fleetjax.make_train_step(lambda p, b: (loss_fn(p, b), 1.0), optax.sgd(0.1), has_aux=True)
+    with pytest.raises(
+        TypeError,
+        match=r"^with has_aux=True the loss must return \(loss, aux_dict\), a dict of metrics by "
+        r"name, but its aux is float: return e.g. \(loss, \{'accuracy': acc\}\)",
+    ):
         step(step.init(make_params()), make_batch())
 
 

@@ -1,6 +1,7 @@
 """fleetjax.targets: compile-only GPU devices from jax's CUDA plugin, their roofline constants,
 and the flops and bytes of what XLA:GPU compiled."""
 
+import functools
 import math
 import os
 import re
@@ -293,3 +294,73 @@ def test_megatron_formula_checks_its_shapes(kwargs, message):
     shapes = {"layers": 96, "hidden": 12288, "heads": 96, "sequence": 2048, "vocab": 51200}
     with pytest.raises(ValueError, match=re.escape(message)):
         targets.Megatron(**{**shapes, "global_batch": 1536, **kwargs})
+
+
+needs_cudnn = pytest.mark.skipif(
+    targets.cudnn_version() is None,
+    reason="no cuDNN for jax's CUDA plugin: pip install 'fleetjax[aot-cudnn]'",
+)
+SEQ, ROWS_PER_DEVICE, HEADS = 2048, 2, 8  # GPT-3's sequence, heads of 128
+
+
+@functools.cache
+def _gpt_attention_step(implementation):
+    """The example GPT (2 blocks of 8 heads of 128, sequences of 2048) trained with AMP bf16 and
+    recompute over 8 data-parallel H100s, attention by `implementation`: its compiled module
+    and temp bytes per device."""
+    import tiny_gpt  # noqa: F401 (puts examples/ on the path)
+    from flax import nnx
+    from gpt import GPT, GPTConfig, GPTFunctions
+
+    import fleetjax
+
+    config = GPTConfig(1024, SEQ, 1024, HEADS, 2, 4096, attention_implementation=implementation)
+    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    gpt, params = GPTFunctions(model), nnx.to_pure_dict(nnx.state(model))
+    mesh = targets.mesh("h100", 8)
+    strategy = fleetjax.DistributedStrategy(amp=True, recompute=True)
+    strategy.amp_configs = {"dtype": "bfloat16"}
+    strategy.recompute_configs = {"policy": "nothing_saveable"}
+    specs = gpt.partition_specs(mesh=mesh)
+    step = fleetjax.make_train_step(
+        gpt.loss_fn, optax.adam(1e-4), strategy, mesh, param_specs=specs
+    )
+    batch = {"tokens": jax.ShapeDtypeStruct((8 * ROWS_PER_DEVICE, SEQ + 1), jnp.int32)}
+    compiled = step.lower(step.abstract_init(params), batch).compile()
+    return compiled.as_text(), compiled.memory_analysis().temp_size_in_bytes
+
+
+SCORES = re.compile(rf"\b(\w+)\[[\d,]*{SEQ},{SEQ}\]")  # a [..., query, key] buffer
+FUSED = re.compile(r'custom_call_target="(__cudnn\$fmha\w*)"')
+SCORES_BYTES = ROWS_PER_DEVICE * HEADS * SEQ * SEQ * 4  # f32 [rows, heads, s, s] per device
+
+
+@needs_plugin
+def test_xla_attention_keeps_the_scores_on_h100():
+    """By default (`implementation=None`) XLA:GPU computes attention from the whole f32
+    [rows, heads, s, s] score matrix, which the step's temporaries hold."""
+    text, temp = _gpt_attention_step(None)
+    assert "f32" in SCORES.findall(text)
+    assert not FUSED.findall(text)
+    assert temp > SCORES_BYTES
+
+
+@needs_plugin
+@needs_cudnn
+def test_cudnn_attention_compiles_to_the_fused_kernel_on_h100():
+    """With cuDNN installed, `implementation="cudnn"` compiles deviceless to cuDNN's fused flash
+    attention, forward and backward: no [s, s] buffer, and at least one score matrix less of
+    temporaries than XLA's attention."""
+    text, temp = _gpt_attention_step("cudnn")
+    assert set(FUSED.findall(text)) == {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"}
+    assert not SCORES.findall(text)
+    assert temp <= _gpt_attention_step(None)[1] - SCORES_BYTES
+
+
+@needs_plugin
+@pytest.mark.skipif(targets.cudnn_version() is not None, reason="cuDNN is installed")
+def test_cudnn_attention_without_cudnn_says_so():
+    """Without the cuDNN library jax refuses the cuDNN attention while tracing (the error
+    docs/gpu_targets.md quotes)."""
+    with pytest.raises(RuntimeError, match=r"^cuDNN not found\."):
+        _gpt_attention_step("cudnn")

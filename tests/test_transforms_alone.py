@@ -200,7 +200,7 @@ def test_sparse_rows():
     def step(params, ids, y):
         value, grads, touched = sparse_rows.value_and_grad(loss, mesh, axes)(params, ids, y)
         named = sparse_rows.name_tables(params)
-        rules = {"['emb']": sparse_rows.naive_sgd(0.5)}
+        rules = {"['emb']": fleetjax.optimizers.sparse_rules.naive_sgd(0.5)}
         slots = sparse_rows.init_slots(rules, sparse_rows.tables(named))
         new, _ = sparse_rows.apply_rows(rules, named, slots, touched, grads, mesh, axes)
         return value, new["emb"][...], grads["emb"][...], touched["['emb']"].ids

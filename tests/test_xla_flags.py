@@ -8,6 +8,7 @@ import sys
 import warnings
 
 import jax
+import optax
 import pytest
 
 import fleetjax
@@ -327,6 +328,7 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     fleet.init(is_collective=True, strategy=s)
 import jax
+import optax
 jax.block_until_ready(jax.jit(lambda x: x * 2)(1.0))
 print(json.dumps({
     "started_before_init": started,
@@ -366,3 +368,17 @@ def test_fleet_init_in_a_fresh_process_sets_the_flags_before_the_backend_starts(
     assert out["devices"] == 8  # the flags already there still count
     # XLA read the flags: it wrote the compiled modules where debug_graphviz_path says.
     assert out["dot_files"], "no .dot file in debug_graphviz_path"
+
+
+def test_binding_to_a_given_mesh_leaves_xla_flags_alone(monkeypatch):
+    """A mesh given means the backend started: only building the process's mesh (fleet.init,
+    or a step made without a mesh) puts a strategy's flags into effect (`plan.prepare`)."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # where the flag would matter
+    strategy = distributed(fuse_grad_size_in_MB=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fleetjax.distributed_optimizer(optax.sgd(0.1), strategy, fleetjax.build_mesh())
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
+    with pytest.warns(fleetjax.StrategyWarning, match="too late for DistributedStrategy.fuse_grad"):
+        fleetjax.plan.prepare(strategy)

@@ -8,7 +8,9 @@ a per-device memory budget, by compiling candidate train steps (nothing runs).
 Its parts:
 
 * `_layouts`: the candidate layouts (`Layout`: degrees, ZeRO stage, memory savers);
-* `_cost`: the cost model (`DeviceSpec`, `hlo_cost`: a compiled step's time on one device);
+* `fleetjax.cost`: the cost model (`DeviceSpec`, `hlo_cost`: a compiled step's time on one
+  device), shared with `fleetjax.explain` and `fleetjax.targets`;
+* `_memory`: what a candidate holds, by formula from its placement, and the default budget;
 * `_search`: compiling candidates, pruning those that cannot fit or cannot win, the choice;
 * `_result`: each `Candidate`, the `SearchResult` and its report.
 
@@ -19,17 +21,12 @@ or degree dicts) to compile exactly those, fix degrees in ``strategy.hybrid_conf
 `DistributedStrategy`). See docs/auto.md.
 """
 
-from fleetjax.auto._cost import (
-    DEVICE_SPECS,
-    DeviceSpec,
-    HloCost,
-    default_memory_budget,
-    device_spec,
-    hlo_cost,
-)
 from fleetjax.auto._layouts import Layout
+from fleetjax.auto._memory import default_memory_budget
 from fleetjax.auto._result import Candidate, SearchResult
 from fleetjax.auto._search import SAVING_MARGIN, search
+from fleetjax.cost import DEVICE_SPECS, DeviceSpec, HloCost, hlo_cost
+from fleetjax.targets import device_spec
 
 __all__ = [
     "DEVICE_SPECS",

@@ -103,7 +103,9 @@ class Layout:
 
     def dominates(self, other: Layout) -> bool:
         """Whether `other` takes at least as long, so that once `self` fits `other` is skipped:
-        ZeRO takes as long as pure data parallelism over the same devices or longer, and more
+        ZeRO takes as long as pure data parallelism over the same devices or longer, ZeRO-3
+        (which gathers the parameters where they are used) as long as ZeRO-2 over the same
+        `sharding` or longer (under a pipeline, as ZeRO-1, which is its ZeRO-2), and more
         memory savers (offload among them) as long as fewer or longer."""
         split_alike = (self.pp, self.mp, self.replicas, self.vpp, self.cp)
         if self == other or split_alike != (
@@ -114,7 +116,9 @@ class Layout:
             other.cp,
         ):
             return False
-        zero = self.sharding == 1 or (self.sharding, self.stage) == (other.sharding, other.stage)
+        gathers = other.stage == 3 and self.stage in ((1, 2) if self.pp > 1 else (2,))
+        same_zero = (self.sharding, self.stage) == (other.sharding, other.stage)
+        zero = self.sharding == 1 or same_zero or (self.sharding == other.sharding and gathers)
         if self.pp > 1:  # a pipeline's micro-batches trade bubble for latency: not ordered
             micro = self.micro_batches == other.micro_batches
         else:

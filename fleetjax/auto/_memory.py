@@ -16,12 +16,14 @@ layer come on top; only the compiled step knows them.
 
 from __future__ import annotations
 
-import math
-from typing import Any, NamedTuple
+import os
+from typing import NamedTuple
 
 import jax
 from jax.sharding import NamedSharding
 
+from fleetjax import targets
+from fleetjax.cost import bytes_text, device_bytes
 from fleetjax.mesh import data_axes, restrict
 from fleetjax.step import TrainStep
 
@@ -31,7 +33,7 @@ def _model_axes(mesh: jax.sharding.Mesh) -> tuple[str, ...]:
     return tuple(a for a in mesh.axis_names if a not in data_axes(mesh))
 
 
-__all__ = ["Formula", "compiled_bytes", "device_bytes", "formula"]
+__all__ = ["Formula", "default_memory_budget", "formula"]
 
 
 class Formula(NamedTuple):
@@ -53,19 +55,6 @@ class Formula(NamedTuple):
         return self.state + self.grads
 
 
-def device_bytes(abstract: Any, shardings: Any) -> int:
-    """Bytes one device holds of `abstract` (ShapeDtypeStructs) placed with `shardings` (a
-    prefix tree: one sharding may place a whole subtree, as the loss-scale state's)."""
-
-    def placed(sharding: jax.sharding.Sharding, subtree: Any) -> int:
-        return sum(
-            math.prod(sharding.shard_shape(x.shape)) * x.dtype.itemsize
-            for x in jax.tree.leaves(subtree)
-        )
-
-    return sum(jax.tree.leaves(jax.tree.map(placed, shardings, abstract)))
-
-
 def formula(step: TrainStep) -> Formula:
     """The per-device bytes of `step` (after `abstract_init`) by formula."""
     placement, state, plan = step.placement, step.abstract_state, step.plan
@@ -78,12 +67,20 @@ def formula(step: TrainStep) -> Formula:
     return Formula(everything - host, host, device_bytes(state.params, grads_at))
 
 
-def compiled_bytes(memory: Any) -> int:
-    """A compiled step's per-device bytes: arguments + outputs - aliased outputs + temporaries
-    (`compiled.memory_analysis()`), an upper bound of XLA's peak."""
-    return (
-        memory.argument_size_in_bytes
-        + memory.output_size_in_bytes
-        - memory.alias_size_in_bytes
-        + memory.temp_size_in_bytes
-    )
+def default_memory_budget(device: jax.Device | None = None) -> tuple[int, str]:
+    """(bytes, where from): the allocator's limit of `device` (`memory_stats()["bytes_limit"]`);
+    for a compile-only GPU, its memory (`fleetjax.targets`); where the device reports none
+    (CPU), the host's physical memory shared evenly by this process's devices."""
+    device = device if device is not None else jax.devices()[0]
+    try:
+        stats = device.memory_stats() or {}
+    except jax.errors.JaxRuntimeError:  # a compile-only device has none
+        stats = {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]), f"memory_stats()['bytes_limit'] of {device}"
+    target = targets.of(device)
+    if target is not None:
+        return target.spec.hbm_bytes, f"the memory of an {target.description}"
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    local = jax.local_device_count()
+    return host // local, f"host memory {bytes_text(host)} / {local} local devices"

@@ -10,13 +10,14 @@ from typing import Any
 import jax
 import optax
 
-from fleetjax.auto._cost import DeviceSpec, HloCost, bytes_text
 from fleetjax.auto._layouts import Layout
+from fleetjax.cost import DeviceSpec, HloCost, bytes_text
 from fleetjax.plan import mesh_for, read_plan
 from fleetjax.step import TrainStep, make_train_step
 from fleetjax.strategy import DistributedStrategy
 
 FITS, OVER_BUDGET, SKIPPED, CANNOT_APPLY = "fits", "over budget", "skipped", "cannot apply"
+FAILED = "failed"  # XLA refused or aborted compiling it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,13 +29,14 @@ class Candidate:
       layout: its degrees, ZeRO stage and savers (None for a given strategy that could not
         make a step).
       strategy: the strategy that trains it.
-      status: "fits", "over budget", "skipped" (not compiled: see `note`) or "cannot apply".
-      note: why it was skipped, did not fit or could not apply.
+      status: "fits", "over budget", "skipped" (not compiled: see `note`), "cannot apply" (no
+        step: the strategy refuses it) or "failed" (XLA refused or aborted compiling it).
+      note: why it was skipped, did not fit, could not apply or failed (XLA's message).
       state_bytes: the train state's bytes on each device (from its placement).
       formula_bytes: what the device must hold at once by formula: its train state and
         gradients (see `fleetjax.auto._memory`).
       device_bytes: compiled: arguments + outputs - aliased outputs + temporaries.
-      memory: `compiled.memory_analysis()`.
+      memory: the sizes `compiled.memory_analysis()` gives (same attribute names).
       xla_flops, xla_bytes_accessed: `compiled.cost_analysis()` (loop bodies counted once).
       cost: the matmul flops and collectives of the compiled HLO, loops unrolled.
       compute_s, communication_s: the cost model's estimate (seconds).

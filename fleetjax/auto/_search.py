@@ -12,9 +12,11 @@ which rule skipped a candidate:
   (a prediction, not a bound);
 * ZeRO over ``dp x sharding`` devices is skipped where pure data parallelism over the same
   devices (same mp, pp and savers) fits: it computes the same matmuls and communicates at least
-  as much. Recompute and more micro-batches only add work, so they are skipped where the same
-  layout with fewer of them fits, and their estimate is never below the layout's without them
-  (XLA may rewrite a one-row matmul into a reduction, which the matmul count misses);
+  as much. Recompute and more micro-batches only add matmuls, so they are skipped where the
+  same layout with fewer of them fits, and their matmul time is never below the layout's
+  without them (XLA may rewrite a one-row matmul into a reduction, which the matmul count
+  misses); their memory term and communication may fall (what recompute no longer keeps, reads
+  and gathers), so those are not bounded by the layout's;
 * memory savers shrink activations, which depend on the rows per device and the mp and pp
   split, not on ZeRO: a saver variant is skipped when its layout is over the budget by more
   than `SAVING_MARGIN` (1.25) times what the same savers saved on a compiled layout with the
@@ -40,15 +42,8 @@ import jax
 import numpy as np
 import optax
 
-from fleetjax.auto._cost import (
-    DeviceSpec,
-    bytes_text,
-    default_memory_budget,
-    device_spec,
-    model_flops,
-    network_share,
-    step_cost,
-)
+from fleetjax import targets
+from fleetjax.auto._isolated import Compiled, CompileFailed, Compiler
 from fleetjax.auto._layouts import (
     Layout,
     activations_scale,
@@ -58,9 +53,10 @@ from fleetjax.auto._layouts import (
     split,
     uses_mp,
 )
-from fleetjax.auto._memory import Formula, compiled_bytes, formula
+from fleetjax.auto._memory import Formula, default_memory_budget, formula
 from fleetjax.auto._result import (
     CANNOT_APPLY,
+    FAILED,
     FITS,
     OVER_BUDGET,
     SKIPPED,
@@ -68,6 +64,14 @@ from fleetjax.auto._result import (
     SearchResult,
     name,
     table,
+)
+from fleetjax.cost import (
+    DeviceSpec,
+    bytes_text,
+    compiled_bytes,
+    model_flops,
+    network_share,
+    step_cost,
 )
 from fleetjax.distributed_optimizer import DistributedOptimizer
 from fleetjax.layers import partition_specs
@@ -110,6 +114,7 @@ class _Planner:
     step_options: Mapping[str, bool]
     rows: int
     devices: Sequence[jax.Device]
+    compile: Compiler = dataclasses.field(default_factory=Compiler)
     done: list[Candidate] = dataclasses.field(default_factory=list)
 
     @functools.cached_property
@@ -138,7 +143,9 @@ class _Planner:
     ) -> Candidate:
         """Lower `strategy`'s step for the abstract state and the batch, and compile it unless
         its memory formula is over the budget (or `always_compile`). Its estimated compute and
-        communication are at least `floor`'s (its layout without memory savers)."""
+        communication are at least `floor`'s (its layout without memory savers). A step XLA
+        refuses or aborts on (in the worker process: see `fleetjax.auto._isolated`) fails with
+        XLA's message."""
         try:
             step = self.step(strategy, layout)
             layout = layout or Layout.of(step)
@@ -157,7 +164,18 @@ class _Planner:
             lowered = step.lower(state, self.batch)
         except (ValueError, TypeError, NotImplementedError) as e:
             return self.add(layout, strategy, CANNOT_APPLY, note=str(e))
-        return self.compiled(step, strategy, layout, lowered.compile(), bytes_by_formula, floor)
+        try:
+            compiled = self.compile(lowered)
+        except CompileFailed as e:
+            return self.add(
+                layout,
+                strategy,
+                FAILED,
+                note=str(e),
+                state_bytes=bytes_by_formula.state,
+                formula_bytes=bytes_by_formula.floor,
+            )
+        return self.compiled(step, strategy, layout, compiled, bytes_by_formula, floor)
 
     def over_by_formula(self, layout: Layout, bytes_by_formula: Formula) -> str:
         """Why `layout` cannot fit by its memory formula ("" if it may): its state and gradients
@@ -193,7 +211,7 @@ class _Planner:
         step: TrainStep,
         strategy: DistributedStrategy,
         layout: Layout,
-        compiled: jax.stages.Compiled,
+        compiled: Compiled,
         bytes_by_formula: Formula,
         floor: Candidate | None,
     ) -> Candidate:
@@ -212,9 +230,12 @@ class _Planner:
         # No layout computes less than an even split of the model's matmuls (XLA may rewrite a
         # one-row matmul into a reduction, which the matmul count misses).
         compute = max(compute, self.flops / self.device.peak_flops)
-        if floor is not None and floor.time_s is not None:
-            compute = max(compute, floor.compute_s)
-            communication = max(communication, floor.communication_s)
+        if floor is not None and floor.cost is not None:
+            if self.savers_only_add(floor.layout):
+                compute = max(compute, floor.compute_s)
+                communication = max(communication, floor.communication_s)
+            else:
+                compute = max(compute, floor.cost.matmul_flops / self.device.peak_flops)
         fits = on_device <= self.budget
         if not fits:
             note = "; ".join(filter(None, [f"over by {bytes_text(on_device - self.budget)}", note]))
@@ -255,7 +276,8 @@ class _Planner:
             for c in over:
                 if not c.layout.offload:
                     self.consider(dataclasses.replace(c.layout, offload=True))
-        # Savers only add work: a layout estimated no faster than the best candidate needs none.
+        # Savers only add matmuls: a layout whose matmuls alone are no faster than the best
+        # candidate needs none.
         short = [
             c
             for c in self.done
@@ -264,33 +286,47 @@ class _Planner:
         tried: set[tuple[int, ...]] = set()
         for base in sorted(short, key=lambda c: (c.time_s, c.layout.order())):
             best = self.best()
-            if split(base.layout) in tried or (best is not None and base.time_s >= best.time_s):
+            bound = max(self.lower_bound(base.layout), self.savers_floor(base))
+            if split(base.layout) in tried or (best is not None and bound >= best.time_s):
                 continue
             tried.add(split(base.layout))
-            lean = self.leanest(base)
-            for layout in savers(lean.layout, self.rows):
-                self.consider(layout, floor=base if lean is base else None)
+            for lean in self.alike(base):
+                for layout in savers(lean.layout, self.rows):
+                    self.consider(layout, floor=lean if lean.cost is not None else None)
         # A sequence too long for any layout above: split it over cp (ring attention).
         for layout in sequences if self.best() is None else ():
             self.consider(layout)
 
-    def leanest(self, base: Candidate) -> Candidate:
-        """Of the layouts over the budget that split the activations as `base` does, the one
-        whose state and gradients take the least memory (savers shrink the activations alone),
-        without offload where one fits (offload costs PCIe time). One that fits already needs
-        no saver."""
+    def savers_only_add(self, layout: Layout) -> bool:
+        """Whether memory savers only add work to `layout`'s estimate: without a memory term
+        and a pipeline. Recompute and micro-batches add matmuls (or split them), never take any
+        away; but what recompute no longer keeps a step no longer reads and writes (the memory
+        term) and a pipeline no longer gathers (its kept inputs split over mp)."""
+        return self.device.hbm_bandwidth is None and layout.pp == 1
+
+    def savers_floor(self, base: Candidate) -> float:
+        """A time no memory saver on `base`'s layout beats: its estimate where savers only add
+        work, else the time of its matmuls."""
+        if self.savers_only_add(base.layout):
+            return base.time_s
+        return base.cost.matmul_flops / self.device.peak_flops
+
+    def alike(self, base: Candidate) -> list[Candidate]:
+        """The layouts over the budget that split the activations as `base` does and whose
+        state and gradients fit, simplest first (pure data parallelism, then the least ZeRO),
+        without offload before with it (offload costs PCIe time): savers shrink the
+        activations alone, alike for all of them, and the simplest that then fits is the
+        fastest (the others it dominates are skipped). One that fits already needs none."""
         alike = [
             c
             for c in self.done
             if c.layout is not None
             and c.formula_bytes is not None
+            and c.formula_bytes <= self.budget
             and not c.fits
             and split(c.layout) == split(base.layout)
         ]
-        return min(
-            alike,
-            key=lambda c: (c.formula_bytes > self.budget, c.layout.offload, c.formula_bytes),
-        )
+        return sorted(alike, key=lambda c: (c.layout.offload, c.layout.order()))
 
     def consider(
         self, layout: Layout, always_compile: bool = False, floor: Candidate | None = None
@@ -314,8 +350,8 @@ class _Planner:
                 continue
             if c.formula_bytes is not None and c.formula_bytes > self.budget:
                 return f"its state and gradients are #{c.index}'s, {bytes_text(c.formula_bytes)}"
-            if c.layout == layout.base and c.time_s is not None:
-                bound = max(bound, c.time_s)  # savers only add work to their layout
+            if c.layout == layout.base and c.cost is not None:
+                bound = max(bound, self.savers_floor(c))
         if reason := self.predicted_over(layout):
             return reason
         best = self.best()
@@ -368,7 +404,7 @@ class _Planner:
 
     def network_share(self, layout: Layout) -> float:
         """The share of a gradient reduction over `layout`'s replicas that crosses the network
-        (`fleetjax.auto._cost.network_share` of the data axes' group of the first device)."""
+        (`fleetjax.cost.network_share` of the data axes' group of the first device)."""
         mesh = mesh_for(read_plan(layout.strategy(self.base, self.rows)), self.devices)
         index = tuple(slice(None) if a in ("dp", "sharding") else 0 for a in mesh.axis_names)
         group = mesh.devices[index].flatten()
@@ -427,6 +463,7 @@ def search(
     devices: Sequence[jax.Device] | None = None,
     has_aux: bool = False,
     has_rng: bool = False,
+    isolate: bool = True,
 ) -> SearchResult:
     """Choose dp / sharding stage / mp / pp degrees, recompute and micro-batching for
     `loss_fn` on `params` and an example global `batch`, by compiling candidate steps (nothing
@@ -451,6 +488,11 @@ def search(
       devices: the devices to lay out (default: all); compile-only GPUs of a target
         (`fleetjax.targets.devices("h100", 1024)`) plan for a cluster that is not there.
       has_aux, has_rng: as for `make_train_step`.
+      isolate: compile each candidate in a worker process (on CPU devices and the
+        compile-only GPUs of `fleetjax.targets`; elsewhere in this process), so that a
+        candidate XLA aborts on (a failed check inside XLA ends the process compiling it) is
+        reported "failed" with XLA's message and the search goes on. False compiles in this
+        process.
 
     Returns:
       The `SearchResult`: the chosen strategy, every candidate and the reason.
@@ -477,7 +519,7 @@ def search(
     budget, source = _budget(memory_budget, devices[0])
     specs = param_specs if param_specs is not None else partition_specs(params)
     if device is None:
-        device = device_spec(devices[0], half_precision=base_plan.amp is not None)
+        device = targets.device_spec(devices[0], half_precision=base_plan.amp is not None)
     options = {"has_aux": has_aux, "has_rng": has_rng}
     planner = _Planner(
         loss_fn,
@@ -491,6 +533,7 @@ def search(
         options,
         _rows(batch),
         devices,
+        Compiler(isolate),
     )
     if candidates is not None:
         _compile_given(planner, candidates)

@@ -20,13 +20,13 @@ from fleetjax._warnings import warn_once
 from fleetjax.distributed_model import distributed_model
 from fleetjax.distributed_optimizer import DistributedOptimizer, distributed_optimizer
 from fleetjax.fleet._dygraph import DeferredLoss, DistributedModel, Dygraph, not_a_loss
-from fleetjax.fleet._join import default_role_maker, join_processes
+from fleetjax.fleet._join import default_role_maker, job_mesh, join_processes
 from fleetjax.fleet._ps import non_distributed, runtime_call
 from fleetjax.fleet._trainer import Trainer, learning_rate
 from fleetjax.fleet.base.role_maker import PaddleCloudRoleMaker, Role, RoleMakerBase
 from fleetjax.fleet.base.util_factory import UtilBase
 from fleetjax.optimizers import set_lr
-from fleetjax.plan import mesh_for, read_plan
+from fleetjax.plan import mesh_for, prepare
 from fleetjax.strategy import DistributedStrategy, Strategy
 
 logger = logging.getLogger("fleetjax")
@@ -185,8 +185,7 @@ class Fleet:
         # First: anything below may start JAX's backend (a role maker asking jax for the
         # process index, the mesh), and XLA reads XLA_FLAGS only then.
         strategy = _paddle_env.apply(strategy)
-        plan = read_plan(strategy)  # fail fast on settings fleetjax cannot apply
-        self._xla_flags = xla_flags.apply(plan.xla_flags, plan.strategy)
+        plan, self._xla_flags = prepare(strategy)  # fails fast on what fleetjax cannot apply
         if role_maker is None:
             collective = default_role_maker
             role_maker = collective() if is_collective else PaddleCloudRoleMaker(False)
@@ -200,7 +199,7 @@ class Fleet:
         if role_maker.is_distributed:
             join_processes(role_maker)
         server = role_maker.role == Role.SERVER  # a parameter server builds no mesh
-        self._mesh = None if server else mesh_for(plan)
+        self._mesh = None if server else job_mesh(plan)
         self._role, self._strategy = role_maker, strategy.__copy__()
         self._model = self._param_specs = self._optimizer = self._trainer = None
         self._replace_dygraph(None)
@@ -257,8 +256,7 @@ class Fleet:
                 "fleet.init(); pass it to fleet.init() instead"
             )
             strategy = _paddle_env.apply(strategy)
-            plan = read_plan(strategy)
-            self._xla_flags = xla_flags.apply(plan.xla_flags, plan.strategy)
+            plan, self._xla_flags = prepare(strategy)
             self._mesh = mesh_for(plan)
             self._strategy = strategy.__copy__()
             self.util._set_strategy(self._strategy)

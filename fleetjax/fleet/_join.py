@@ -18,12 +18,25 @@ import types
 from collections.abc import Callable, Mapping
 
 import jax
+from jax.sharding import Mesh
 
+from fleetjax import _worker
 from fleetjax.fleet.base.role_maker import (
     JaxProcessRoleMaker,
     PaddleCloudRoleMaker,
     RoleMakerBase,
 )
+from fleetjax.plan import Plan, mesh_for
+
+JOIN_TIMEOUT_VARIABLE = "FLEETJAX_JOIN_TIMEOUT"  # fleetjax-run's --join_timeout
+JOIN_TIMEOUT_SECONDS = 300  # JAX's: for every process to join
+HEARTBEAT_VARIABLE = "FLEETJAX_JAX_HEARTBEAT_TIMEOUT"  # fleetjax-run's: twice --peer_timeout
+# A process that sends no heartbeat for this long is taken as dead by JAX's coordination
+# service, which then ends every process (JAX's default, 100 s, leaves a job waiting on a lost
+# node for minutes; the heartbeats come from a thread of their own, so compiling or a busy
+# Python loop does not delay them).
+HEARTBEAT_SECONDS = 10
+MAX_NODES_VARIABLE = "FLEETJAX_MAX_NODES"  # fleetjax-run's, with --nnodes min:max: max
 
 # Variables by which schedulers give a job's task count, what sets them, and how JAX would
 # find the job (jax._src.clusters).
@@ -181,6 +194,8 @@ def join_processes(role: RoleMakerBase) -> None:
             num_processes=role.worker_num,
             process_id=role.worker_index,
             coordinator_bind_address=bind,
+            initialization_timeout=_seconds(JOIN_TIMEOUT_VARIABLE, JOIN_TIMEOUT_SECONDS),
+            heartbeat_timeout_seconds=_seconds(HEARTBEAT_VARIABLE, HEARTBEAT_SECONDS),
         )
     except RuntimeError as e:
         raise RuntimeError(
@@ -188,4 +203,70 @@ def join_processes(role: RoleMakerBase) -> None:
             f"coordinator listens on {bind}): {e}. fleet.init() must run before any JAX "
             "computation in each process."
         ) from e
+    if address := own_address(os.environ):
+        bind_gloo(address)
+    _worker.note_joined()
     exit_on_uncaught_exception()
+
+
+def _seconds(variable: str, default: int) -> int:
+    text = os.environ.get(variable, "")
+    if not text:
+        return default
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{variable}={text!r} must be a positive whole number of seconds")
+    return int(text)
+
+
+def own_address(environ: Mapping[str, str]) -> str | None:
+    """This worker's address on the network the job uses: the host of
+    `PADDLE_CURRENT_ENDPOINT` (fleetjax-run's `--ips`, `--host` or the address that reaches
+    `--master`), else `POD_IP`; None if neither is set."""
+    endpoint = environ.get("PADDLE_CURRENT_ENDPOINT", "")
+    host = endpoint.rpartition(":")[0].removeprefix("[").removesuffix("]")
+    return host or environ.get("POD_IP") or None
+
+
+def bind_gloo(address: str) -> None:
+    """Make Gloo (JAX's CPU collectives) listen on and announce `address`.
+
+    Without it Gloo takes the address the host name resolves to: on Debian 127.0.1.1, which
+    the other nodes cannot reach. JAX accepts the address
+    (`make_gloo_tcp_collectives(hostname=...)`) but offers no option for it, so the CPU
+    backend's factory is registered again, before the backend starts, with it.
+    """
+    if jax.config.jax_cpu_collectives_implementation != "gloo":
+        return
+    from jax._src import distributed, xla_bridge  # no public API takes Gloo's address
+    from jax._src.lib import _jax
+
+    def cpu_client() -> object:
+        collectives = _jax.make_gloo_tcp_collectives(
+            distributed_client=distributed.global_state.client, hostname=address
+        )
+        return xla_bridge.make_cpu_client(collectives)
+
+    # jax.distributed.initialize refused to run after a backend started: none has.
+    xla_bridge.register_backend_factory("cpu", cpu_client, priority=0, fail_quietly=False)
+
+
+def job_mesh(plan: Plan) -> Mesh:
+    """`mesh_for(plan)`: the job's mesh over all its devices.
+
+    Raises:
+      ValueError: if the strategy's degrees do not fit the devices; for an elastic
+        `fleetjax-run` job restarted on fewer nodes, the message says so.
+    """
+    try:
+        return mesh_for(plan)
+    except ValueError as e:
+        nodes, most = os.environ.get("PADDLE_NNODES", ""), os.environ.get(MAX_NODES_VARIABLE, "")
+        if not (nodes.isdigit() and most.isdigit() and int(nodes) < int(most)):
+            raise
+        fits = str(e).partition(". To simulate")[0]  # more simulated devices are no answer here
+        raise ValueError(
+            f"{fits}: fleetjax-run restarted this job on {nodes} of its up to {most} nodes "
+            "(--nnodes min:max) after it lost some, and the strategy's degrees must fit the "
+            "devices left (dp_degree -1 takes whatever the other degrees leave; the global "
+            "batch stays, each device's share grows)"
+        ) from None

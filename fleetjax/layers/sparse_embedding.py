@@ -3,7 +3,8 @@
 A `SparseTable` is an embedding table ``[num_embeddings, embedding_dim]`` whose rows are split
 over every device of the mesh (logical axes ``("table_rows", "embed")``; the rule maps
 ``"table_rows"`` to all mesh axes), and which trains by updating only the rows a batch touched,
-with Paddle's sparse rules (`fleetjax.transforms.sparse_rows`), never by the optimizer.
+with Paddle's sparse rules (`fleetjax.optimizers.sparse_rules`, applied by
+`fleetjax.transforms.sparse_rows`), never by the optimizer.
 
     emb = fleetjax.layers.SparseEmbedding(1_000_000, 16, table_name="embedding", rngs=rngs)
     rows = emb(ids)                                   # ids.shape + (16,)

@@ -10,8 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from fleetjax._schema import DEFAULT_ORDER as PADDLE_ORDER
-from fleetjax._schema import HYBRID_AXES
+from fleetjax._schema import HYBRID_AXES, PADDLE_ORDER
 
 AXES = ("dp", "sharding", "pp", "sep", "cp", "mp")
 # The axes every mesh has; `sep` (segment parallelism) and `cp` (context parallelism) split the
@@ -109,7 +108,8 @@ def build_mesh(
     degrees = {"dp": dp, "sharding": sharding, "pp": pp, "sep": sep, "cp": cp, "mp": mp}
     for axis, degree in degrees.items():
         allowed = (-1,) if axis == "dp" else ()
-        if not isinstance(degree, (int, np.integer)) or (degree < 1 and degree not in allowed):
+        is_int = isinstance(degree, (int, np.integer)) and not isinstance(degree, bool)
+        if not is_int or (degree < 1 and degree not in allowed):
             want = "-1 or a positive int" if axis == "dp" else "a positive int"
             raise ValueError(f"{axis} degree must be {want}, got {degree!r}")
     shown = [a for a in AXES if a in REQUIRED_AXES or degrees[a] > 1]

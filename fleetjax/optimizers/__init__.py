@@ -1,7 +1,9 @@
 """Optimizers: Paddle's optimizers as optax transformations (also as Paddle's classes, with its
-gradient clips and `L2Decay`), and the large-batch and communication-efficient ones Paddle's
-optimizer switches rebuild them as (`rebuild`)."""
+gradient clips and `L2Decay`), the large-batch and communication-efficient ones Paddle's
+optimizer switches rebuild them as (`rebuild`, from the table `SWITCHES`), and Paddle's sparse
+table rules (`sparse_rules`)."""
 
+from fleetjax.optimizers import sparse_rules
 from fleetjax.optimizers._basic import PaddleOptimizer, adam, adamw, clip_by_norm, momentum, sgd
 from fleetjax.optimizers._classes import (
     SGD,
@@ -22,7 +24,7 @@ from fleetjax.optimizers._dgc import (
     sparsity_at,
     top_k_count,
 )
-from fleetjax.optimizers._geo import GeoState, geo_sgd
+from fleetjax.optimizers._geo import GeoState, geo_merge, geo_sgd
 from fleetjax.optimizers._lamb import lamb, scale_by_lamb_trust_ratio
 from fleetjax.optimizers._lars import lars, scale_by_lars
 from fleetjax.optimizers._localsgd import (
@@ -34,7 +36,14 @@ from fleetjax.optimizers._localsgd import (
 )
 from fleetjax.optimizers._lr import get_lr, set_lr
 from fleetjax.optimizers._names import param_names
-from fleetjax.optimizers._rebuild import rebuild
+from fleetjax.optimizers._switches import (
+    GEO,
+    STEP_SWITCHES,
+    SWITCHES,
+    Switch,
+    check_combination,
+    rebuild,
+)
 
 __all__ = [
     # Paddle's optimizers
@@ -61,6 +70,7 @@ __all__ = [
     "localsgd",
     "adaptive_localsgd",
     "geo_sgd",
+    "geo_merge",
     "GeoState",
     "LocalSGDState",
     "AdaptiveLocalSGDState",
@@ -76,6 +86,13 @@ __all__ = [
     "sparsity_at",
     "top_k_count",
     "next_k_steps",
-    # Paddle's optimizer switches
+    # Paddle's sparse table rules, row-wise
+    "sparse_rules",
+    # Paddle's optimizer switches: the table, their rebuild, and which switches combine
+    "SWITCHES",
+    "STEP_SWITCHES",
+    "GEO",
+    "Switch",
+    "check_combination",
     "rebuild",
 ]

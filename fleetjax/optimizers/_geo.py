@@ -17,7 +17,7 @@ trainers send and receive on a background thread; here every replica exchanges a
 `geo_sgd(inner, k_steps)` wraps the optimizer of the dense parameters; it runs inside
 `jax.shard_map` over the data axes (`axis_names`), one replica per trainer, each with its own
 parameters and optimizer state (as LocalSGD). Sparse tables exchange their touched rows the
-same way (`fleetjax.transforms.sparse_rows.geo_exchange`).
+same way, by the same formula (`geo_merge`; `fleetjax.transforms.sparse_rows.geo_exchange`).
 """
 
 from __future__ import annotations
@@ -48,22 +48,19 @@ class GeoState(NamedTuple):
     inner_state: Any
 
 
-def exchange(latest: Any, old: Any, axes: tuple[str, ...]) -> tuple[Any, Any]:
-    """(each replica's parameters, the servers' parameters) after Paddle's Geo exchange of
-    `latest` (this replica's) against `old` (the servers' at the last exchange)."""
-    coefficient = 1.0 / lax.psum(1, axes)
-
-    def one(latest: jax.Array, old: jax.Array) -> tuple[jax.Array, jax.Array]:
-        delta = (latest - old) * coefficient
-        server = old + lax.psum(delta, axes)
-        return latest + (server - (old + delta)), server
-
-    pairs = jax.tree.map(one, latest, old)
-    is_pair = lambda x: isinstance(x, tuple)  # noqa: E731
-    return (
-        jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair),
-        jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair),
-    )
+def geo_merge(
+    latest: jax.Array, old: jax.Array, axes: Sequence[str], sent: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """(this replica's values, the servers') after Paddle's Geo exchange (the module docstring's
+    formula) of `latest` (this replica's) against `old` (the servers' at the last exchange),
+    inside `jax.shard_map` over the replica `axes`. `sent` (bools broadcasting against them)
+    marks what this replica sends, as Paddle sends only the rows a trainer changed; its delta
+    is zero elsewhere. Default: all of it."""
+    delta = (latest - old) * (1.0 / lax.psum(1, tuple(axes)))
+    if sent is not None:
+        delta = jnp.where(sent, delta, 0)
+    server = old + lax.psum(delta, tuple(axes))
+    return latest + (server - (old + delta)), server
 
 
 def geo_sgd(
@@ -90,7 +87,12 @@ def geo_sgd(
         step = state.step + 1
 
         def exchanged(updates: Any) -> tuple[Any, Any]:
-            latest, server = exchange(optax.apply_updates(params, updates), state.old, axes)
+            pairs = jax.tree.map(
+                lambda n, o: geo_merge(n, o, axes), optax.apply_updates(params, updates), state.old
+            )
+            is_pair = lambda x: isinstance(x, tuple)  # noqa: E731
+            latest = jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair)
+            server = jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair)
             moved = jax.tree.map(lambda n, p: (n - p).astype(p.dtype), latest, params)
             return moved, server
 

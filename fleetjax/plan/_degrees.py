@@ -8,7 +8,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from fleetjax._schema import DEFAULT_ORDER
+from fleetjax._schema import PADDLE_ORDER
 from fleetjax._warnings import warn_once
 from fleetjax.mesh import AXES, SEQUENCE_AXES, build_mesh, check_order
 from fleetjax.plan._values import Degrees, Plan
@@ -112,7 +112,7 @@ def strategy_order(strategy: DistributedStrategy | Strategy) -> tuple[str, ...]:
         degrees = strategy_degrees(strategy)
         sequence = tuple(a for a in SEQUENCE_AXES if getattr(degrees, a) > 1)
         return check_order(strategy.hybrid_configs["order"], sequence)
-    return check_order(DEFAULT_ORDER)
+    return check_order(PADDLE_ORDER)
 
 
 def mesh_for(plan: Plan, devices: Sequence[jax.Device] | None = None) -> Mesh:

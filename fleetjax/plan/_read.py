@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 
 from fleetjax._warnings import warn_once
+from fleetjax.optimizers import GEO, SWITCHES, check_combination
 from fleetjax.plan import _knobs
 from fleetjax.plan._degrees import set_degrees, strategy_degrees, strategy_order
 from fleetjax.plan._values import (
     DEFAULT_SPARSE_RULE,
-    PER_REPLICA_SWITCHES,
     Amp,
     GradientMerge,
     Hierarchical,
@@ -37,8 +37,9 @@ from fleetjax.transforms import amp
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
-# Paddle's optimizer switches, each rebuilding or wrapping the user's optimizer.
-OPTIMIZER_SWITCHES = ("lars", "lamb", "dgc", "localsgd", "adaptive_localsgd")
+# Paddle's optimizer switches that a bool field turns on, each rebuilding or wrapping the user's
+# optimizer (`fleetjax.optimizers.SWITCHES`; Geo-SGD is a_sync's).
+OPTIMIZER_SWITCHES = tuple(name for name, switch in SWITCHES.items() if switch.flag)
 
 # Switches that change the computation and are not built yet.
 _NOT_YET_DISTRIBUTED = {
@@ -56,9 +57,7 @@ PLANNED_SWITCHES = (
     "tensor_parallel",
     "recompute",
     "gradient_merge",
-    "dgc",
-    "localsgd",
-    "adaptive_localsgd",
+    *(name for name in OPTIMIZER_SWITCHES if SWITCHES[name].per_replica),
     "fp16_allreduce",
     "semi_auto",
     "auto_search",
@@ -96,11 +95,6 @@ def read_plan(strategy: DistributedStrategy | Strategy) -> Plan:
 def _fleet_plan(s: DistributedStrategy) -> Plan:
     _check_supported(s)
     switch = _optimizer_switch(s)
-    if switch is not None and switch.name in PER_REPLICA_SWITCHES and s.fp16_allreduce:
-        raise ValueError(
-            f"fp16_allreduce and {switch.name} cannot be combined: {switch.name} does its own "
-            "communication, with no dense gradient all-reduce to run in half precision"
-        )
     stage, offload = _sharding(s)
     pipe = s.pipeline_configs
     pipelined = s.pipeline or s.hybrid_configs["pp_degree"] > 1
@@ -191,10 +185,10 @@ def _optimizer_switch(s: DistributedStrategy) -> OptimizerSwitch | None:
             "combined: both make each replica step its own optimizer; turn one off"
         )
     if geo:
-        return OptimizerSwitch("geo", types.MappingProxyType({"k_steps": geo}))
+        return OptimizerSwitch(GEO.name, types.MappingProxyType({"k_steps": geo}))
     if not on:
         return None
-    configs = getattr(s, f"{on[0]}_configs")
+    configs = getattr(s, SWITCHES[on[0]].configs)
     return OptimizerSwitch(on[0], types.MappingProxyType(dict(configs.to_dict())))
 
 
@@ -440,29 +434,9 @@ def _pipeline(mode: str, micro_batch_size: int, accumulate_steps: int, vpp: int)
 
 
 def _checked_combinations(plan: Plan) -> Plan:
-    if plan.sharding_stage and plan.per_replica:
-        raise ValueError(
-            "ZeRO sharding and dgc/localsgd cannot be combined: they keep per-replica "
-            "optimizer state, ZeRO splits one copy of it over the sharding axis"
-        )
+    check_combination(plan.switches)
     if plan.pipeline is not None:
-        if plan.per_replica:
-            raise ValueError(
-                "the pipeline does not combine with dgc/localsgd: they step each data-parallel "
-                "replica's optimizer inside their own shard_map, which the pipeline's program "
-                "over pp cannot run in"
-            )
         plan = _merged_into_pipeline(plan)
-    if plan.hierarchical is not None:
-        clash = (
-            "ZeRO stage 2/3 (it reduce-scatters over the sharding axis)"
-            if plan.sharding_stage >= 2
-            else "dgc/localsgd (they do their own communication)"
-            if plan.per_replica
-            else None
-        )
-        if clash:
-            raise ValueError(f"use_hierarchical_allreduce does not combine with {clash}")
     if plan.sharding_stage and plan.allreduce_dtype is not None:
         # Paddle turns fp16_allreduce off under sharding.
         return dataclasses.replace(

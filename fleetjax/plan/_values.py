@@ -7,14 +7,9 @@ import types
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from fleetjax.optimizers import STEP_SWITCHES, SWITCHES, Switch
 from fleetjax.transforms import amp
 from fleetjax.xla_flags import Flag
-
-# The optimizer switches after which each data-parallel replica steps its own optimizer state
-# (they do their own communication), and of those, the ones whose parameters drift apart too.
-# `geo` is Geo-SGD (a_sync with a_sync_configs.k_steps > 0).
-PER_REPLICA_SWITCHES = ("dgc", "localsgd", "adaptive_localsgd", "geo")
-REPLICA_PARAMS_SWITCHES = ("localsgd", "adaptive_localsgd", "geo")
 
 
 class Degrees(NamedTuple):
@@ -85,17 +80,27 @@ class Hierarchical:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerSwitch:
-    """One of Paddle's optimizer switches (`lars`, `lamb`, `dgc`, `localsgd`,
-    `adaptive_localsgd`) and its `*_configs`, which rebuild or wrap the user's optimizer."""
+    """One of Paddle's optimizer switches (a name of `fleetjax.optimizers.SWITCHES`) and its
+    `*_configs`, which rebuild or wrap the user's optimizer."""
 
     name: str
     configs: Mapping[str, Any]
+
+    @property
+    def row(self) -> Switch:
+        """The switch's facts (`fleetjax.optimizers.SWITCHES`)."""
+        return SWITCHES[self.name]
+
+    @property
+    def label(self) -> str:
+        """How messages name it."""
+        return self.row.label.format(**self.configs)
 
 
 @dataclasses.dataclass(frozen=True)
 class SparseRuleConfig:
     """One of Paddle's `SGDParameter`s (a table's `embed_sgd_param` or `embedx_sgd_param`):
-    the rule's name and its parameters, as `fleetjax.transforms.sparse_rows.paddle_rule`
+    the rule's name and its parameters, as `fleetjax.optimizers.sparse_rules.paddle_rule`
     takes them."""
 
     name: str
@@ -177,12 +182,30 @@ class Plan:
     @property
     def per_replica(self) -> bool:
         """Whether each data-parallel replica steps its own optimizer state (DGC, LocalSGD)."""
-        return self.optimizer is not None and self.optimizer.name in PER_REPLICA_SWITCHES
+        return self.optimizer is not None and self.optimizer.row.per_replica
 
     @property
     def replica_params(self) -> bool:
         """Whether each replica's parameters drift apart between syncs (LocalSGD)."""
-        return self.optimizer is not None and self.optimizer.name in REPLICA_PARAMS_SWITCHES
+        return self.optimizer is not None and self.optimizer.row.replica_params
+
+    @property
+    def switches(self) -> dict[str, str]:
+        """The switches on that may clash (`fleetjax.optimizers.check_combination`): the
+        optimizer switch and the step switches, each with how messages name it."""
+        merge = self.gradient_merge
+        on = {
+            "sharding": self.sharding_stage > 0,
+            "sharding_stage_2": self.sharding_stage >= 2,
+            "pipeline": self.pipeline is not None,
+            "fp16_allreduce": self.allreduce_dtype is not None,
+            "use_hierarchical_allreduce": self.hierarchical is not None,
+            "merge_across_calls": merge is not None and not merge.in_step,
+        }
+        found = {name: STEP_SWITCHES[name] for name, is_on in on.items() if is_on}
+        if self.optimizer is not None:
+            found[self.optimizer.name] = self.optimizer.label
+        return found
 
     @property
     def in_step_merge(self) -> GradientMerge | None:

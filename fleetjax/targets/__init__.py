@@ -11,6 +11,7 @@ compiled.memory_analysis()  # per-device bytes, as XLA:GPU plans them
 compiled.as_text()  # the scheduled GPU HLO: all-gather-start, Triton GEMM fusions, ...
 targets.cost_analysis(compiled)  # flops and memory bytes; compiled.cost_analysis() is None
 targets.get("h100").spec.peak_bf16_flops  # 989.4e12
+targets.get("h100").device_spec()  # its constants in the cost model (fleetjax.cost)
 ```
 
 The devices come from jax's CUDA plugin (`jax.experimental.topologies.get_topology_desc` with
@@ -19,10 +20,10 @@ never run. Without a GPU there is no autotuning: XLA picks its default GEMM conf
 See docs/gpu_targets.md.
 """
 
-from fleetjax.targets._cost import Cost, cost_analysis
+from fleetjax.cost import Cost, cost_analysis
 from fleetjax.targets._formula import Megatron
-from fleetjax.targets._gpus import TARGETS, GpuSpec, Target, get, of
-from fleetjax.targets._topology import devices, mesh, plugin_installed
+from fleetjax.targets._gpus import TARGETS, GpuSpec, Target, device_spec, get, of
+from fleetjax.targets._topology import cudnn_version, devices, mesh, plugin_installed
 
 __all__ = [
     "TARGETS",
@@ -31,6 +32,8 @@ __all__ = [
     "Megatron",
     "Target",
     "cost_analysis",
+    "cudnn_version",
+    "device_spec",
     "devices",
     "get",
     "mesh",

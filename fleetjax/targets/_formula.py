@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from fleetjax.cost import ring_share
 from fleetjax.targets._gpus import GpuSpec
 
 __all__ = ["Megatron"]
@@ -166,16 +167,19 @@ class Megatron:
     def step_seconds(self, gpu: GpuSpec, per_host: int = 8) -> dict[str, float]:
         """One step's time by a plain model, no overlap: the model flops with recompute's
         extra forward (x 4/3) over the bfloat16 peak, stretched by the bubble; then each axis's
-        ring bytes, over NVLink where its group stays within a host of `per_host` GPUs (the
-        axes ordered dp, pp, mp, mp innermost) and over one InfiniBand adapter per GPU
-        otherwise."""
+        payload at the cost model's ring bytes (`fleetjax.cost.ring_share`: all-reduces over
+        mp, sends over pp, over the data axes a reduce-scatter and an all-gather, or without
+        the distributed optimizer an all-reduce), over NVLink where its group stays within a
+        host of `per_host` GPUs (the axes ordered dp, pp, mp, mp innermost) and over one
+        InfiniBand adapter per GPU otherwise."""
         extra = 4 / 3 if self.recompute else 1.0
         compute = self.model_flops * extra / (gpu.peak_bf16_flops * self.gpus) * (1 + self.bubble)
         wire = self.axis_bytes()
+        data = "reduce-scatter" if self.zero else "all-reduce"  # all-gather's share is the same
         ring = {
-            "mp": 2 * (self.tp - 1) / self.tp * wire["mp"],
-            "pp": wire["pp"],
-            "data": (self.dp - 1) / self.dp * wire["data"],
+            "mp": ring_share("all-reduce", self.tp) * wire["mp"],
+            "pp": ring_share("collective-permute", self.pp) * wire["pp"],
+            "data": ring_share(data, self.dp) * wire["data"],
         }
         spans = {"mp": self.tp, "pp": self.tp * self.pp, "data": self.gpus}
         seconds = {"compute": compute}

@@ -8,6 +8,8 @@ import importlib.resources
 
 import jax
 
+from fleetjax.cost import DEVICE_SPECS, GPU_COLLECTIVE_LATENCY, DeviceSpec
+
 TB = 1e12
 GB = 1e9
 
@@ -64,6 +66,19 @@ class Target:
     description: str
     device_kind: str
     spec: GpuSpec
+
+    def device_spec(self, half_precision: bool = True) -> DeviceSpec:
+        """The cost model's constants of this GPU (`fleetjax.cost`): its bfloat16 peak, or its
+        TF32 peak for float32 matmuls; NVLink, network, HBM and PCIe as `spec` says."""
+        return DeviceSpec(
+            f"{self.description} ({'bf16' if half_precision else 'tf32'} peak)",
+            self.spec.peak_bf16_flops if half_precision else self.spec.peak_tf32_flops,
+            self.spec.nvlink_bandwidth,
+            GPU_COLLECTIVE_LATENCY,
+            network_bandwidth=self.spec.network_bandwidth,
+            hbm_bandwidth=self.spec.hbm_bandwidth,
+            host_bandwidth=self.spec.host_bandwidth,
+        )
 
     @property
     def config(self) -> str:
@@ -172,3 +187,27 @@ def of(device: jax.Device) -> Target | None:
     """The target whose devices `device` is one of (by `device_kind`; a real GPU of that kind
     too), or None."""
     return next((t for t in TARGETS.values() if t.device_kind == device.device_kind), None)
+
+
+def device_spec(device: jax.Device | None = None, *, half_precision: bool = True) -> DeviceSpec:
+    """The cost model's constants for `device` (default: the first device): a GPU target's
+    (`Target.device_spec`: its peak for half-precision matmuls, or with
+    `half_precision=False` TF32's), the others' from `fleetjax.cost.DEVICE_SPECS`.
+
+    Raises:
+      ValueError: for a device kind neither knows; pass `search(..., device=DeviceSpec(...))`.
+    """
+    device = device if device is not None else jax.devices()[0]
+    target = of(device)
+    if target is not None:
+        return target.device_spec(half_precision)
+    kind = device.device_kind.lower()
+    for key, spec in DEVICE_SPECS:
+        if key in kind:
+            return spec
+    raise ValueError(
+        f"no cost-model constants for device kind {device.device_kind!r} (known: "
+        f"{', '.join(key for key, _ in DEVICE_SPECS)} and the GPU targets "
+        f"{', '.join(t.device_kind for t in TARGETS.values())}); pass "
+        "device=fleetjax.auto.DeviceSpec(name, peak_flops, link_bandwidth, latency)"
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 from collections.abc import Sequence
 
@@ -15,6 +16,8 @@ from fleetjax.targets._gpus import Target, get
 
 # The plugins' Python packages: jax registers the first one it finds as platform "cuda".
 CUDA_PLUGINS = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
+# Their version helpers, in the order jax asks them (`jax._src.lib.cuda_versions`).
+CUDA_VERSIONS = ("jax_cuda13_plugin._versions", "jax_cuda12_plugin._versions")
 
 
 def devices(target: str | Target, count: int, *, per_host: int = 8) -> list[jax.Device]:
@@ -96,6 +99,26 @@ def plugin_installed() -> bool:
         return any(importlib.util.find_spec(name) for name in CUDA_PLUGINS)
     except ModuleNotFoundError:  # no jax_plugins package at all
         return False
+
+
+def cudnn_version() -> int | None:
+    """The cuDNN version jax's CUDA plugin loads (92801 for 9.28.1), or None without one.
+
+    `jax.nn.dot_product_attention(..., implementation="cudnn")` asks the plugin for it while
+    tracing, so cuDNN's fused attention compiles for a GPU target only where it is installed
+    (the ``aot-cudnn`` extra: the ``nvidia-cudnn-cu13`` wheel); without, jax raises "cuDNN not
+    found.". Compiling needs the library only for that question: no GPU runs it.
+    """
+    for name in CUDA_VERSIONS:
+        try:
+            versions = importlib.import_module(name)
+        except ImportError:
+            continue
+        try:
+            return versions.cudnn_get_version()
+        except RuntimeError:  # the plugin's "cuDNN not found."
+            return None
+    return None
 
 
 def _no_plugin_message() -> str:

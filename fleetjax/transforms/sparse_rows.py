@@ -10,7 +10,8 @@ axes `axes` (every device by default) and is never differentiated. A step instea
         loss, grads = jax.value_and_grad(loss_fn)(views, batch)  # a table's grad: [U, D]
     params, slots = apply_rows(rules, params, slots, touched, grads, mesh, axes)
 
-(`value_and_grad` does the first four lines.) No gradient of shape ``[V, D]`` exists.
+(`touched_views` does the first three lines, `value_and_grad` the first four.) No gradient of
+shape ``[V, D]`` exists.
 
 * `touched_rows` traces the loss once with lookups that only record their ids (nothing of it
   is left in the compiled step but the ids), and deduplicates each table's ids over the whole
@@ -31,26 +32,18 @@ axes `axes` (every device by default) and is never differentiated. A step instea
 Under Geo-SGD (`a_sync_configs.k_steps`) every replica keeps its own copy of a table, as
 Paddle's Geo trainers do, updates it locally (``axes=()``) and marks the rows it changed; every
 k steps `geo_exchange` swaps the changes of those rows only, by Paddle's formula
-(`fleetjax.optimizers.geo_sgd`).
+(`fleetjax.optimizers.geo_merge`, as `geo_sgd` does for dense parameters).
 
-The rules are Paddle's (paddle/fluid/distributed/ps/table/sparse_sgd_rule.cc), row-wise:
-`naive_sgd`, `adagrad` (`SparseAdaGradSGDRule`: one g2sum per row; `StdAdaGradSGDRule` with
-`per_element`), `adam` (`SparseAdamSGDRule`: lazy, per-row beta powers, so a row's moments
-only move when it is touched; `SparseSharedAdamSGDRule` with `shared`); `sparse_accessor` applies
-one to the first column (`embed_w`) and one to the others (`embedx`), as Paddle's
-`SparseAccessor` does. Gradients are not divided by the show count (Paddle's `scale`, a CTR
-accessor's bookkeeping): the rules see the gradient of the loss.
+The rules (`SparseRule`s) are Paddle's, in `fleetjax.optimizers.sparse_rules`.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fleetjax.layers.sparse_embedding import (
@@ -59,170 +52,28 @@ from fleetjax.layers.sparse_embedding import (
     is_table,
     lookup_scope,
 )
+from fleetjax.optimizers import geo_merge
+from fleetjax.optimizers.sparse_rules import SparseRule
 
 __all__ = [
-    "PADDLE_RULES",
     "GeoRows",
-    "SparseRule",
-    "adagrad",
-    "adam",
+    "TablesState",
     "apply_rows",
     "gather_rows",
     "geo_exchange",
     "geo_init",
     "init_slots",
     "name_tables",
-    "naive_sgd",
-    "paddle_rule",
     "row_views",
     "scatter_rows",
-    "sparse_accessor",
     "tables",
     "touched_rows",
+    "touched_views",
     "value_and_grad",
     "without_tables",
 ]
 
-Bounds = tuple[float, float] | None
 _DEVICE, _HOST = jax.memory.Space.Device, jax.memory.Space.Host
-
-
-class SparseRule(NamedTuple):
-    """A row-wise update rule, as an optax transformation is for whole arrays:
-    ``init(rows) -> slots`` (arrays with one row per table row) and
-    ``update(rows, slots, grads) -> (rows, slots)``, each row depending only on itself."""
-
-    init: Callable[[jax.Array], Any]
-    update: Callable[[jax.Array, Any, jax.Array], tuple[jax.Array, Any]]
-
-
-def _bound(w: jax.Array, weight_bounds: Bounds) -> jax.Array:
-    """Paddle's `BoundValue`: below the low bound (or NaN) -> low, above the high -> high."""
-    if weight_bounds is None:
-        return w
-    low, high = weight_bounds
-    return jnp.where(w >= low, jnp.where(w <= high, w, high), low).astype(w.dtype)
-
-
-def _column(rows: jax.Array, width: int, value: float = 0.0) -> jax.Array:
-    return jnp.full((rows.shape[0], width), value, rows.dtype)
-
-
-def naive_sgd(learning_rate: float = 0.05, weight_bounds: Bounds = None) -> SparseRule:
-    """`SparseNaiveSGDRule`: ``w -= learning_rate * g``, bounded."""
-
-    def update(rows: jax.Array, slots: Any, grads: jax.Array) -> tuple[jax.Array, Any]:
-        return _bound(rows - learning_rate * grads, weight_bounds), slots
-
-    return SparseRule(lambda rows: optax.EmptyState(), update)
-
-
-class AdagradSlots(NamedTuple):
-    g2sum: jax.Array  # [rows, 1], or [rows, dim] with `per_element`
-
-
-def adagrad(
-    learning_rate: float = 0.05,
-    initial_g2sum: float = 3.0,
-    weight_bounds: Bounds = None,
-    *,
-    per_element: bool = False,
-) -> SparseRule:
-    """`SparseAdaGradSGDRule`: ``w -= lr * g * sqrt(initial_g2sum / (initial_g2sum + g2sum))``,
-    then ``g2sum += mean(g ** 2)`` over the row (one g2sum per row); with `per_element`,
-    `StdAdaGradSGDRule` (one g2sum per element, ``g2sum += g ** 2``)."""
-
-    def init(rows: jax.Array) -> AdagradSlots:
-        return AdagradSlots(_column(rows, rows.shape[1] if per_element else 1))
-
-    def update(rows: jax.Array, slots: AdagradSlots, g: jax.Array) -> tuple[jax.Array, Any]:
-        scale = jnp.sqrt(initial_g2sum / (initial_g2sum + slots.g2sum))
-        rows = _bound(rows - learning_rate * g * scale, weight_bounds)
-        added = g * g if per_element else jnp.mean(g * g, axis=1, keepdims=True)
-        return rows, AdagradSlots(slots.g2sum + added)
-
-    return SparseRule(init, update)
-
-
-class AdamSlots(NamedTuple):
-    gsum: jax.Array  # first moment: [rows, dim], or [rows, 1] with `shared`
-    g2sum: jax.Array  # second moment, likewise
-    beta1_pow: jax.Array  # [rows, 1]: beta1 ** (the row's updates + 1)
-    beta2_pow: jax.Array
-
-
-def adam(
-    learning_rate: float = 0.001,
-    beta1_decay_rate: float = 0.9,
-    beta2_decay_rate: float = 0.999,
-    ada_epsilon: float = 1e-8,
-    weight_bounds: Bounds = None,
-    *,
-    shared: bool = False,
-) -> SparseRule:
-    """`SparseAdamSGDRule`: Adam with moments and beta powers per row (starting at beta1 and
-    beta2), so untouched rows keep theirs (lazy): ``lr_t = lr * sqrt(1 - beta2_pow) /
-    (1 - beta1_pow)``, ``w -= lr_t * m / (sqrt(v) + ada_epsilon)``, then the powers times beta.
-    With `shared`, `SparseSharedAdamSGDRule`: a row keeps one first and one second moment (the
-    means of its elements' new moments)."""
-    b1, b2, eps = beta1_decay_rate, beta2_decay_rate, ada_epsilon
-
-    def init(rows: jax.Array) -> AdamSlots:
-        zero = _column(rows, 1 if shared else rows.shape[1])
-        return AdamSlots(zero, zero, _column(rows, 1, b1), _column(rows, 1, b2))
-
-    def update(rows: jax.Array, s: AdamSlots, g: jax.Array) -> tuple[jax.Array, AdamSlots]:
-        step_lr = learning_rate * jnp.sqrt(1 - s.beta2_pow) / (1 - s.beta1_pow)
-        gsum = b1 * s.gsum + (1 - b1) * g
-        g2sum = b2 * s.g2sum + (1 - b2) * g * g
-        rows = _bound(rows - step_lr * (gsum / (jnp.sqrt(g2sum) + eps)), weight_bounds)
-        if shared:
-            gsum, g2sum = (jnp.mean(x, axis=1, keepdims=True) for x in (gsum, g2sum))
-        return rows, AdamSlots(gsum, g2sum, s.beta1_pow * b1, s.beta2_pow * b2)
-
-    return SparseRule(init, update)
-
-
-class AccessorSlots(NamedTuple):
-    embed: Any  # the first column's slots
-    embedx: Any  # the other columns'
-
-
-def sparse_accessor(embed: SparseRule, embedx: SparseRule) -> SparseRule:
-    """Paddle's `SparseAccessor`: `embed` (its `embed_sgd_param`) updates a row's first column
-    (`embed_w`), `embedx` (`embedx_sgd_param`) the others."""
-
-    def init(rows: jax.Array) -> AccessorSlots:
-        return AccessorSlots(embed.init(rows[:, :1]), embedx.init(rows[:, 1:]))
-
-    def update(rows: jax.Array, s: AccessorSlots, g: jax.Array) -> tuple[jax.Array, Any]:
-        first, s_embed = embed.update(rows[:, :1], s.embed, g[:, :1])
-        if rows.shape[1] == 1:  # no embedx columns (Paddle's embedx_dim 0)
-            return first, AccessorSlots(s_embed, s.embedx)
-        rest, s_embedx = embedx.update(rows[:, 1:], s.embedx, g[:, 1:])
-        return jnp.concatenate([first, rest], axis=1), AccessorSlots(s_embed, s_embedx)
-
-    return SparseRule(init, update)
-
-
-PADDLE_RULES: dict[str, Callable[..., SparseRule]] = {
-    "SparseNaiveSGDRule": naive_sgd,
-    "SparseAdaGradSGDRule": adagrad,
-    "StdAdaGradSGDRule": functools.partial(adagrad, per_element=True),
-    "SparseAdamSGDRule": adam,
-    "SparseSharedAdamSGDRule": functools.partial(adam, shared=True),
-}
-
-
-def paddle_rule(name: str, **config: Any) -> SparseRule:
-    """The rule Paddle's `SGDParameter.name` names, with its parameters (the keyword arguments
-    of `naive_sgd`, `adagrad`, ...: Paddle's field names)."""
-    if name not in PADDLE_RULES:
-        raise NotImplementedError(
-            f"sparse rule {name!r} is not available in fleetjax; use one of "
-            f"{', '.join(PADDLE_RULES)}"
-        )
-    return PADDLE_RULES[name](**config)
 
 
 # -- tables in a parameter tree -----------------------------------------------------------------
@@ -471,6 +322,26 @@ def apply_rows(
     return jax.tree.map(update, params, grads, is_leaf=is_table), new_slots
 
 
+def touched_views(
+    loss_fn: Callable[..., Any],
+    params: Any,
+    args: tuple[Any, ...],
+    mesh: Mesh | None = None,
+    axes: Sequence[str] = (),
+) -> tuple[Any, Callable[..., Any], dict[str, TouchedRows]]:
+    """(views, loss, touched): `params` with their tables named and each table's value the rows
+    ``loss_fn(params, *args)`` touches (`row_views`), `loss_fn` reading its lookups from such
+    views, and the `touched` rows (`touched_rows`) that `apply_rows` takes."""
+    named = name_tables(params)
+    touched = touched_rows(lambda: loss_fn(named, *args), tables(named), mesh)
+
+    def replaying(*call: Any) -> Any:
+        with lookup_scope(touched):
+            return loss_fn(*call)
+
+    return row_views(named, touched, mesh, axes), replaying, touched
+
+
 def value_and_grad(
     loss_fn: Callable[..., jax.Array], mesh: Mesh | None = None, axes: Sequence[str] = ()
 ) -> Callable[..., tuple[jax.Array, Any, dict[str, TouchedRows]]]:
@@ -480,10 +351,8 @@ def value_and_grad(
     `apply_rows` takes."""
 
     def fn(params: Any, *args: Any) -> tuple[jax.Array, Any, dict[str, TouchedRows]]:
-        named = name_tables(params)
-        touched = touched_rows(lambda: loss_fn(named, *args), tables(named), mesh)
-        with lookup_scope(touched):
-            loss, grads = jax.value_and_grad(loss_fn)(row_views(named, touched, mesh, axes), *args)
+        views, replaying, touched = touched_views(loss_fn, params, args, mesh, axes)
+        loss, grads = jax.value_and_grad(replaying)(views, *args)
         return loss, grads, touched
 
     return fn
@@ -505,6 +374,20 @@ class GeoRows(NamedTuple):
     changed: jax.Array
 
 
+class TablesState(NamedTuple):
+    """The optimizer state of a step with sparse tables.
+
+    Attributes:
+      dense: the optimizer's state for the dense parameters.
+      slots: each table's rule slots (one row per table row), by table name.
+      geo: under Geo-SGD, each table's exchange state (`GeoRows`), by name; else None.
+    """
+
+    dense: Any
+    slots: dict[str, Any]
+    geo: dict[str, GeoRows] | None
+
+
 def geo_init(table: jax.Array) -> GeoRows:
     """The Geo-SGD state of a freshly initialised `table` ``[V, D]``."""
     return GeoRows(jnp.asarray(table), jnp.zeros(table.shape[:1], bool))
@@ -515,20 +398,13 @@ def geo_exchange(
 ) -> tuple[jax.Array, GeoRows]:
     """Paddle's Geo exchange of the rows the replicas changed (`geo.changed`, at most
     `capacity` per replica), inside `jax.shard_map` over the replica `axes`: each replica's
-    ids are gathered, and for every changed row (`fleetjax.optimizers.geo_sgd`'s formula,
-    with a replica's delta zero for rows it did not change, as Paddle sends only those)::
-
-        delta_r = (latest_r - old) / T;  server = old + sum_r delta_r
-        latest_r += server - (old + delta_r);  old = server
-    """
+    ids are gathered, and every changed row is exchanged by `fleetjax.optimizers.geo_merge`
+    (a replica sends only the rows it changed, as Paddle does)."""
     axes, size = tuple(axes), table.shape[0]
     mine = jnp.nonzero(geo.changed, size=min(capacity, size), fill_value=size)[0]
     every = jax.lax.all_gather(mine, axes, tiled=True)
     ids = jnp.unique(every, size=min(every.size, size), fill_value=size)
     read = lambda x: x.at[ids].get(mode="fill", fill_value=0)  # noqa: E731
-    latest, old = read(table), read(geo.old)
-    delta = jnp.where(read(geo.changed)[:, None], (latest - old) * (1.0 / jax.lax.psum(1, axes)), 0)
-    server = old + jax.lax.psum(delta, axes)
+    latest, server = geo_merge(read(table), read(geo.old), axes, read(geo.changed)[:, None])
     write = lambda x, new: x.at[ids].set(new.astype(x.dtype), mode="drop")  # noqa: E731
-    latest = latest + (server - (old + delta))
     return write(table, latest), GeoRows(write(geo.old, server), jnp.zeros_like(geo.changed))

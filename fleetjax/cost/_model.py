@@ -1,35 +1,10 @@
-"""The cost model: a compiled step's time on one device, from its HLO and the device's constants.
-
-On one device, with the constants of its `DeviceSpec`::
-
-    time = max(matmul_flops / peak_flops, bytes_accessed / hbm_bandwidth)
-         + sum over collectives of (latency + wire_bytes / bandwidth)
-         + host_bytes / host_bandwidth
-
-The first term is a roofline over the whole step: the tensor cores' work, or, where it is
-larger, the kernels' reads and writes of device memory (on GPU targets, from XLA's
-HloCostAnalysis; elsewhere the memory term is left out). The wire bytes of a collective over a
-group of g devices with a result of R bytes are those of ring algorithms: all-reduce
-``2 (g-1)/g R``, all-gather and all-to-all ``(g-1)/g R``, reduce-scatter ``(g-1) R``,
-collective-permute ``R``. They go at the link bandwidth (NVLink, ICI) within a host; a group
-that spans hosts with k of its devices on each sends ``wire_bytes / k`` over the network (one
-adapter per device, k rings side by side) and the rest over the links. An optimizer state
-offloaded to pinned host memory crosses PCIe twice per step (fetched for the update, written
-back). Compute and communication are not assumed to overlap. A pipeline's bubble is in the
-compiled program (its loop of ticks), not in a formula. The matmul flops and the collectives
-are read from the compiled HLO with every known-trip-count loop counted once per trip (XLA's
-cost analysis counts a loop body once, which would make micro-batching, pipelines and scanned
-layers look cheap), and a conditional by its costliest branch.
-
-GPU constants come from `fleetjax.targets` (one source for them), for compile-only devices of a
-target and real GPUs of that kind alike; `DEVICE_SPECS` has the others.
-"""
+"""The cost model's terms (see `fleetjax.cost`): a device's constants, a compiled step's time by
+part, and the ring algorithms' bytes."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -37,7 +12,8 @@ import jax
 import jax.extend
 import numpy as np
 
-from fleetjax import hlo, targets
+from fleetjax import hlo
+from fleetjax.cost._analysis import cost_analysis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,21 +50,6 @@ class DeviceSpec:
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
 
-    @classmethod
-    def of_target(cls, target: targets.Target, half_precision: bool = True) -> DeviceSpec:
-        """The constants of a GPU target (`fleetjax.targets`): its bfloat16 peak, or its TF32
-        peak for float32 matmuls; NVLink, network, HBM and PCIe as `Target.spec` says."""
-        spec = target.spec
-        return cls(
-            f"{target.description} ({'bf16' if half_precision else 'tf32'} peak)",
-            spec.peak_bf16_flops if half_precision else spec.peak_tf32_flops,
-            spec.nvlink_bandwidth,
-            GPU_COLLECTIVE_LATENCY,
-            network_bandwidth=spec.network_bandwidth,
-            hbm_bandwidth=spec.hbm_bandwidth,
-            host_bandwidth=spec.host_bandwidth,
-        )
-
 
 def _check_positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -107,49 +68,6 @@ DEVICE_SPECS: tuple[tuple[str, DeviceSpec], ...] = (
     ("tpu v5 lite", DeviceSpec("TPU v5e (ICI)", 197e12, 100e9, 1e-5)),
     ("tpu v5", DeviceSpec("TPU v5p (ICI)", 459e12, 300e9, 1e-5)),
 )
-
-
-def device_spec(device: jax.Device | None = None, *, half_precision: bool = True) -> DeviceSpec:
-    """The cost-model constants for `device` (default: the first device): a GPU's from
-    `fleetjax.targets` (its peak for half-precision matmuls, or with `half_precision=False`
-    TF32's), the others' from `DEVICE_SPECS`.
-
-    Raises:
-      ValueError: for a device kind neither knows; pass `search(..., device=DeviceSpec(...))`.
-    """
-    device = device if device is not None else jax.devices()[0]
-    target = targets.of(device)
-    if target is not None:
-        return DeviceSpec.of_target(target, half_precision)
-    kind = device.device_kind.lower()
-    for key, spec in DEVICE_SPECS:
-        if key in kind:
-            return spec
-    raise ValueError(
-        f"no cost-model constants for device kind {device.device_kind!r} (known: "
-        f"{', '.join(key for key, _ in DEVICE_SPECS)} and the GPU targets "
-        f"{', '.join(t.device_kind for t in targets.TARGETS.values())}); pass "
-        "device=fleetjax.auto.DeviceSpec(name, peak_flops, link_bandwidth, latency)"
-    )
-
-
-def default_memory_budget(device: jax.Device | None = None) -> tuple[int, str]:
-    """(bytes, where from): the allocator's limit of `device` (`memory_stats()["bytes_limit"]`);
-    for a compile-only GPU, its memory (`fleetjax.targets`); where the device reports none
-    (CPU), the host's physical memory shared evenly by this process's devices."""
-    device = device if device is not None else jax.devices()[0]
-    try:
-        stats = device.memory_stats() or {}
-    except jax.errors.JaxRuntimeError:  # a compile-only device has none
-        stats = {}
-    if "bytes_limit" in stats:
-        return int(stats["bytes_limit"]), f"memory_stats()['bytes_limit'] of {device}"
-    target = targets.of(device)
-    if target is not None:
-        return target.spec.hbm_bytes, f"the memory of an {target.description}"
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    local = jax.local_device_count()
-    return host // local, f"host memory {bytes_text(host)} / {local} local devices"
 
 
 class Seconds(NamedTuple):
@@ -190,7 +108,7 @@ class HloCost(NamedTuple):
       collectives: how many collectives run (each costs a latency).
       network_bytes: the part of `wire_bytes` that goes over the network to other hosts.
       bytes_accessed: device-memory bytes the kernels read and write (XLA's HloCostAnalysis,
-        `fleetjax.targets.cost_analysis`; 0 where not measured).
+        `cost_analysis`; 0 where not measured).
       host_bytes: bytes moved between the device and pinned host memory (an offloaded
         optimizer state fetched for the update and written back; 0 without offload).
       hidden_seconds: the collectives' seconds that XLA's schedule runs beside computation
@@ -231,16 +149,24 @@ class HloCost(NamedTuple):
         return max(t.compute, t.memory), t.total - max(t.compute, t.memory)
 
 
-def wire_bytes(c: hlo.Collective, devices: int) -> float:
-    """Bytes one device sends for `c` by ring algorithms; a group the text does not state is
-    taken to be all `devices` (an upper bound)."""
-    group, result = c.group_size or devices, c.result_bytes
-    if c.op == "collective-permute":
-        return float(result)
+def ring_share(op: str, group: int) -> float:
+    """Bytes one device sends, by ring algorithms, per byte of a collective's payload over a
+    group of `group` devices: ``2 (g-1)/g`` for an all-reduce, ``(g-1)/g`` for an all-gather,
+    a reduce-scatter and an all-to-all, 1 for a collective-permute. The payload is the result,
+    and a reduce-scatter's operand (its result times the group)."""
+    if op == "collective-permute":
+        return 1.0
     if group <= 1:
         return 0.0
-    share = (group - 1) / group
-    return {"all-reduce": 2 * share, "reduce-scatter": group - 1.0}.get(c.op, share) * result
+    return (2.0 if op == "all-reduce" else 1.0) * (group - 1) / group
+
+
+def wire_bytes(c: hlo.Collective, devices: int) -> float:
+    """Bytes one device sends for `c` by ring algorithms (`ring_share`); a group the text does
+    not state is taken to be all `devices` (an upper bound)."""
+    group = c.group_size or devices
+    payload = c.result_bytes * (group if c.op == "reduce-scatter" else 1)
+    return ring_share(c.op, group) * payload
 
 
 def network_share(groups: Sequence[Sequence[int]] | None, hosts: Sequence[int] | None) -> float:
@@ -292,7 +218,7 @@ def step_cost(
     compiled: jax.stages.Compiled, device: DeviceSpec, mesh: jax.sharding.Mesh
 ) -> HloCost:
     """The `HloCost` of a step compiled over `mesh`, with the bytes its kernels access where
-    `device` has a memory term (XLA's HloCostAnalysis: `fleetjax.targets.cost_analysis`), and
+    `device` has a memory term (XLA's HloCostAnalysis: `cost_analysis`), and
     the communication its schedule hides (`hidden_seconds`)."""
     text = compiled.as_text()
     hosts = [d.process_index for d in mesh.devices.flat]
@@ -305,7 +231,7 @@ def step_cost(
     cost = cost._replace(hidden_seconds=hidden)
     if device.hbm_bandwidth is None:
         return cost
-    return cost._replace(bytes_accessed=targets.cost_analysis(text).bytes_accessed)
+    return cost._replace(bytes_accessed=cost_analysis(text).bytes_accessed)
 
 
 def collective_seconds(

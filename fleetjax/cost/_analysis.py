@@ -87,7 +87,7 @@ def _xla_analysis(text: str) -> Callable[[str], Cost]:
         parse, analyse = jaxlib_hlo.hlo_module_from_text, _jax.hlo_module_cost_analysis
     except (ImportError, AttributeError) as e:
         raise NotImplementedError(
-            "fleetjax.targets.cost_analysis reads XLA's HloCostAnalysis through jaxlib's "
+            "fleetjax.cost.cost_analysis reads XLA's HloCostAnalysis through jaxlib's "
             "_hlo.hlo_module_from_text and _jax.hlo_module_cost_analysis, which jaxlib "
             f"{jax.__version__} does not have"
         ) from e

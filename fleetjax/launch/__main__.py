@@ -1,0 +1,7 @@
+"""`python -m fleetjax.launch`: the `fleetjax-run` command."""
+
+import sys
+
+from fleetjax.launch import main
+
+sys.exit(main())

@@ -1,0 +1,403 @@
+"""One attempt of a job on this node: its workers started, watched until the first failure,
+stopped (`fleetjax-run`'s supervision; fleetjax/launch/_job.py decides what follows).
+
+The first failure is the first worker that ends with a code other than 0 (its exit, or the code
+its `fleetjax._worker` entry recorded before JAX's shutdown barrier), that is killed, or that
+makes no progress for `--heartbeat_timeout` seconds (the one silent the longest: the others may
+wait for it in a collective). A worker that exited with 0 while others ran is named first if
+one of them then fails (its peers lost it). A worker that JAX's coordination service ended
+(SIGABRT) because another stopped sending heartbeats names that other one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import os
+import pathlib
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+
+from fleetjax import _liveness, _worker
+from fleetjax.launch import _guard
+
+GRACE_SECONDS = 3.0  # between SIGTERM and SIGKILL when stopping workers (Paddle's)
+LOG_TAIL_LINES = 20  # of a failed worker's log, shown on the console
+HANG_EXIT_CODE = 124  # a worker or node that stopped answering (as timeout(1))
+# A worker's peers may see it killed (its connections closed) and fail before the launcher's
+# thread that waits for it wakes up: its death is dated this much earlier. JAX and Gloo end a
+# worker whose peer failed with SIGABRT, which is not dated back.
+KILL_SEEN_LATE_SECONDS = 0.25
+_POLL_SECONDS = 0.1
+# Loaded here, not in the forked child, where only the call itself should run.
+_LIBC = ctypes.CDLL(None) if sys.platform == "linux" else None
+# What JAX's coordination service logs before it ends a process for another's silence.
+_JAX_LOST = re.compile(r"unhealthy \(stopped sending heartbeats\):\s*\n((?:\d+\s*\n)+)")
+_JAX_EARLY = re.compile(r"Shutdown barrier has failed.*?The first task at the barrier: (\d+)", re.S)
+
+
+@dataclasses.dataclass(frozen=True)
+class Worker:
+    """One process to start on this node.
+
+    Attributes:
+      rank: the global worker index (`PADDLE_TRAINER_ID`; a parameter server's index).
+      local_rank: the index on this node (`PADDLE_RANK_IN_NODE`).
+      env: the variables this launcher sets for it (on top of its own environment).
+      role: "worker", or "server" (a parameter server).
+    """
+
+    rank: int
+    local_rank: int
+    env: dict[str, str]
+    role: str = "worker"
+
+    @property
+    def log_name(self) -> str:
+        """Its log's file name: Paddle's `workerlog.N` or `serverlog.N`."""
+        return f"{self.role}log.{self.rank}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """The first failure of an attempt, as every node names it.
+
+    Attributes:
+      who: "worker 1", "node 1 (10.0.0.2, workers 2..3)", ...
+      what: "exited with code 3", "was killed by SIGKILL", "made no progress for 600 s ..."
+      code: the job's exit code.
+      time: when it happened (time.time() of the node that saw it): the earliest is first.
+      log: the log to show the end of (on the node that ran the worker), or "".
+    """
+
+    who: str
+    what: str
+    code: int
+    time: float
+    log: str = ""
+
+    @property
+    def line(self) -> str:
+        return f"{self.who} {self.what}"
+
+
+def say(message: str) -> None:
+    """One line (or a block) on the launcher's stderr, prefixed `fleetjax-run: `."""
+    with contextlib.suppress(OSError):  # a closed stderr must not stop the stopping
+        print(f"fleetjax-run: {message}", file=sys.stderr, flush=True)
+
+
+def describe(code: int) -> str:
+    """'exited with code 3' or 'was killed by SIGKILL' for a Popen return code."""
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def exit_code(code: int) -> int:
+    """The launcher's exit code for a worker's Popen return code (128 + signal if killed)."""
+    return code if code >= 0 else 128 - code
+
+
+def tail(path: pathlib.Path | str, lines: int = LOG_TAIL_LINES) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(pathlib.Path(path).read_text(errors="replace").splitlines()[-lines:])
+    return ""
+
+
+def _last_progress(*paths: pathlib.Path) -> float:
+    """When the worker last wrote to its log, beat or ran a step (time.time())."""
+    times = []
+    for path in paths:
+        with contextlib.suppress(OSError):
+            times.append(path.stat().st_mtime)
+    return max(times, default=time.time())  # no file: no sign of a hang
+
+
+def _steps(path: pathlib.Path) -> int:
+    """The TrainStep calls a worker made (0 without a steps file)."""
+    with contextlib.suppress(OSError, ValueError):
+        return int(path.read_text() or 0)
+    return 0
+
+
+def _die_with_launcher() -> None:
+    """In the child, before exec: get SIGKILL if the launcher dies, even by SIGKILL (Linux)."""
+    pr_set_pdeathsig = 1
+    assert _LIBC is not None
+    _LIBC.prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+class _Echo:
+    """Copies a worker's log onto the console from `offset` on as it grows (Paddle shows the
+    node's first worker). A closed console ends the copying, never the worker or its log."""
+
+    def __init__(self, log: pathlib.Path, offset: int) -> None:
+        self._log, self._offset = log, offset
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._copy, daemon=True)
+        self._thread.start()
+
+    def _copy(self) -> None:
+        with open(self._log, "rb") as source:
+            source.seek(self._offset)
+            while True:
+                finishing = self._done.is_set()  # then copy what is left, and stop
+                chunk = source.read(1 << 16)
+                if chunk:
+                    try:
+                        sys.stdout.buffer.write(chunk)
+                        sys.stdout.buffer.flush()
+                    except OSError:
+                        self._console_closed()
+                        return
+                elif finishing:
+                    return
+                else:
+                    self._done.wait(_POLL_SECONDS)
+
+    def _console_closed(self) -> None:
+        say(f"the console is closed; the workers go on, worker output is in {self._log}")
+        # Python's own flush of stdout at exit must not fail on the closed pipe either.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+    def close(self) -> None:
+        """Copy what the log holds now, and stop."""
+        self._done.set()
+        self._thread.join()
+
+
+class Attempt:
+    """This node's workers in one attempt of the job (`number` 0 is the first).
+
+    Each worker runs `command` (which starts with `python -m fleetjax._worker`) and writes to
+    its log: a new one in attempt 0, appended to after a line that names the attempt later.
+    A thread per worker puts `("exit", attempt, index, time)` on `events` when it exits;
+    `exited` and `poll` turn what happened into the attempt's first `Failure`.
+    """
+
+    def __init__(
+        self,
+        workers: Sequence[Worker],
+        command: Sequence[str],
+        log_dir: pathlib.Path,
+        run_dir: pathlib.Path,
+        events: queue.Queue,
+        *,
+        number: int = 0,
+        heartbeat_timeout: float | None = None,
+    ) -> None:
+        self.workers, self._heartbeat_timeout = list(workers), heartbeat_timeout
+        self.logs = [log_dir / worker.log_name for worker in workers]
+        self._exit_files = [run_dir / f"exit.{worker.log_name}" for worker in workers]
+        self._steps_files = [run_dir / f"steps.{worker.log_name}" for worker in workers]
+        self._ended: dict[int, int] = {}  # index: exit status, of workers known to have ended
+        self._exited: set[int] = set()
+        self._joined: set[int] = set()  # workers that joined JAX's runtime
+        self._early: tuple[int, float] | None = None  # the first to exit with 0 while others ran
+        self._run_id = uuid.uuid4().hex
+        self._stopped = False
+        # The guard ends the run if this process ends without doing so (SIGKILL).
+        self._guard = subprocess.Popen(
+            [sys.executable, "-I", _guard.__file__, self._run_id, str(GRACE_SECONDS)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+            text=True,
+        )
+        self.procs: list[subprocess.Popen] = []
+        offset = 0  # where the echo starts: at this attempt's output
+        with contextlib.suppress(OSError):
+            offset = self.logs[0].stat().st_size if number else 0
+        for index in range(len(workers)):
+            self._exit_files[index].unlink(missing_ok=True)
+            self._steps_files[index].unlink(missing_ok=True)
+            self.procs.append(self._start(command, index, number))
+            assert self._guard.stdin is not None
+            self._guard.stdin.write(f"{self.procs[-1].pid}\n")  # the worker's process group
+            self._guard.stdin.flush()
+        self._echo: _Echo | None = _Echo(self.logs[0], offset)  # a thread only after every fork
+        for index, proc in enumerate(self.procs):
+            threading.Thread(
+                target=lambda i, p: (p.wait(), events.put(("exit", self, i, time.time()))),
+                args=(index, proc),
+                daemon=True,
+            ).start()
+
+    def _start(self, command: Sequence[str], index: int, number: int) -> subprocess.Popen:
+        log = self.logs[index]
+        env = {
+            # A worker's log is its live view (worker 0's is echoed here): lines as printed,
+            # not 8 KiB later, and none lost in the buffer of a killed worker.
+            "PYTHONUNBUFFERED": "1",
+            **os.environ,
+            **self.workers[index].env,
+            _guard.RUN_ID_VARIABLE: self._run_id,
+            _liveness.HEARTBEAT_FILE_VARIABLE: str(log.absolute()),
+            _liveness.STEPS_FILE_VARIABLE: str(self._steps_files[index].absolute()),
+            _worker.EXIT_FILE_VARIABLE: str(self._exit_files[index].absolute()),
+        }
+        with open(log, "ab" if number else "wb") as out:  # a new log each run
+            if number:
+                out.write(f"fleetjax-run: attempt {number + 1} starts\n".encode())
+            return subprocess.Popen(
+                command,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own group: stopped as one, not by the tty's ^C
+                preexec_fn=_die_with_launcher,
+            )
+
+    # -- what happened ---------------------------------------------------------------------
+    def _name(self, index: int) -> str:
+        return f"{self.workers[index].role} {self.workers[index].rank}"
+
+    def _failure(self, index: int, what: str, code: int, when: float) -> Failure:
+        """The failure of worker `index`, unless one exited with 0 before while others ran."""
+        if self._early is not None and self._early[0] != index:
+            early, at = self._early
+            what = f"exited with code 0 while the others ran; then {self._name(index)} {what}"
+            return Failure(self._name(early), what, code or 1, at, str(self.logs[early]))
+        lost = self._jax_lost(index, code)
+        if lost is not None:
+            return lost
+        return Failure(self._name(index), what, code, when, str(self.logs[index]))
+
+    def _jax_lost(self, index: int, code: int) -> Failure | None:
+        """The worker JAX's coordination service blamed, if it ended worker `index` (SIGABRT):
+        one that stopped sending heartbeats, or the first to reach the shutdown barrier (it
+        ended while the others did not) when that barrier timed out."""
+        if code != 128 + signal.SIGABRT:
+            return None
+        log = tail(self.logs[index], 200)
+        ended_by = f"so JAX ended {self._name(index)} with SIGABRT"
+        if found := _JAX_LOST.search(log):
+            what = f"stopped sending heartbeats to JAX's coordination service ({ended_by})"
+            return Failure(
+                f"worker {', '.join(found[1].split())}", what, HANG_EXIT_CODE, time.time()
+            )
+        if found := _JAX_EARLY.search(log):
+            what = (
+                "ended with code 0 while the others ran, and JAX's shutdown barrier timed out "
+                f"waiting for them ({ended_by})"
+            )
+            return Failure(f"worker {found[1]}", what, HANG_EXIT_CODE, time.time())
+        return None
+
+    def _read_exit_file(self, index: int) -> None:
+        """Note what worker `index`'s exit file says: that it joined JAX's runtime, or how its
+        script ended."""
+        if index in self._ended:
+            return
+        with contextlib.suppress(OSError):
+            text = self._exit_files[index].read_text().strip()
+            if text == _worker.JOINED:
+                self._joined.add(index)
+            elif text.isdigit():
+                self._ended[index] = int(text)
+
+    def exited(self, index: int, when: float) -> Failure | None:
+        """Note that worker `index` exited (at `when`); its failure, if it is one."""
+        code = self.procs[index].returncode
+        self._read_exit_file(index)
+        self._exited.add(index)
+        left = index not in self._ended and index in self._joined  # os._exit: no barrier
+        self._ended.setdefault(index, code)
+        if code < 0 and -code != signal.SIGABRT:  # killed from outside: earlier than seen
+            when -= KILL_SEEN_LATE_SECONDS
+        if code != 0:
+            return self._failure(index, describe(code), exit_code(code), when)
+        if left and len(self._exited) < len(self.procs):
+            what = (
+                "exited with code 0 without ending its script (os._exit?) while the others ran, "
+                "who need it in their collectives"
+            )
+            return Failure(self._name(index), what, 1, when, str(self.logs[index]))
+        # A parameter server of fleetjax ends at once (its tables live on the trainers).
+        trainer = self.workers[index].role == "worker"
+        if trainer and len(self._exited) < len(self.procs) and self._early is None:
+            self._early = (index, when)
+        return None
+
+    def poll(self) -> Failure | None:
+        """A failure the workers' exit files or their silence show, if any."""
+        for index in range(len(self.procs)):
+            if index in self._ended:
+                continue
+            self._read_exit_file(index)
+            if self._ended.get(index):
+                status, when = self._ended[index], time.time()
+                with contextlib.suppress(OSError):  # when the worker wrote it
+                    when = self._exit_files[index].stat().st_mtime
+                return self._failure(index, f"exited with code {status}", status, when)
+        return self._hung()
+
+    def _hung(self) -> Failure | None:
+        """If a running worker made no progress for longer than the timeout: the one the others
+        wait for. Of the workers silent for half the timeout or more, that is the one with the
+        fewest steps (those ahead wait in a collective), else the one silent the longest."""
+        timeout = self._heartbeat_timeout
+        running = [i for i in range(len(self.procs)) if i not in self._ended]
+        if not timeout or not running:
+            return None
+        last = {i: _last_progress(self.logs[i], self._steps_files[i]) for i in running}
+        now = time.time()
+        if now - min(last.values()) <= timeout:
+            return None
+        silent = [i for i in running if now - last[i] >= timeout / 2]
+        steps = {i: _steps(self._steps_files[i]) for i in silent}
+        index = min(silent, key=lambda i: (steps[i], last[i]))
+        what = (
+            f"made no progress for {now - last[index]:.0f} s (no output, no step, no "
+            f"heartbeat; --heartbeat_timeout {timeout:g})"
+        )
+        if len(set(steps.values())) > 1:
+            what += f" after {steps[index]} steps, the fewest"
+        log, when = str(self.logs[index]), last[index]
+        finished = [i for i, status in self._ended.items() if status == 0]
+        if finished and self.workers[finished[0]].role == "worker":  # the others wait for it
+            what = f"ended with code 0 while the others ran; then {self._name(index)} {what}"
+            index = finished[0]
+        return Failure(self._name(index), what, HANG_EXIT_CODE, when, log)
+
+    @property
+    def succeeded(self) -> bool:
+        """Whether every worker exited with 0."""
+        return len(self._exited) == len(self.procs) and not any(self._ended.values())
+
+    # -- ending ------------------------------------------------------------------------------
+    def end_echo(self) -> str:
+        """Stop copying worker output to the console; the log it copied."""
+        if self._echo is not None:
+            self._echo.close()
+            self._echo = None
+        return str(self.logs[0])
+
+    def stop(self) -> None:
+        """Stop every process of the attempt (SIGTERM, SIGKILL after `GRACE_SECONDS`), reap
+        the workers and end the echo and the guard (once)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        _guard.stop(self._run_id, [proc.pid for proc in self.procs], GRACE_SECONDS)
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):  # unkillable (in the kernel)
+                proc.wait(timeout=GRACE_SECONDS)
+        self.end_echo()
+        assert self._guard.stdin is not None
+        self._guard.stdin.close()
+        self._guard.wait()
+        for path in (*self._exit_files, *self._steps_files):
+            path.unlink(missing_ok=True)

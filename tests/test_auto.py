@@ -458,6 +458,7 @@ def test_auto_with_another_parallel_switch_names_both():
         fleetjax.read_plan(strategy)  # as fleet.init and make_train_step do
 
 
+@pytest.mark.slow  # 25 s: four GPT steps at 2048 tokens compiled
 def test_a_sequence_too_long_for_every_layout_is_split_over_cp():
     """One sequence of 2048 tokens: neither tensor parallelism nor recompute fits it in 64 MiB
     per device (XLA:CPU's attention keeps its 2048 x 2048 scores per head); split over cp

@@ -1,0 +1,174 @@
+"""What the long-sequence axes save, measured on compile-only H100s: Megatron's sequence
+parallelism divides the activations outside the tensor-parallel matmuls by mp (against
+Korthikanti et al. 2022), and `sep` and `cp` divide attention's by their degree.
+
+Method: the example GPT (bf16 AMP O2, SGD, no recompute) compiled with one and with two layers;
+the difference of XLA's temporaries (`fleetjax.explain(...).temp`) is what one more layer keeps
+for its backward pass (its activations, plus its gradient buffers: under 1% here), and the
+difference of the collectives is what one more layer sends. Nothing runs.
+"""
+
+import dataclasses
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+import fleetjax
+from fleetjax import targets
+from fleetjax.plan import mesh_for, read_plan
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
+from gpt import GPT, GPTConfig, GPTFunctions
+
+pytestmark = [
+    pytest.mark.skipif(
+        not targets.plugin_installed(),
+        reason="jax's CUDA plugin is not installed: pip install 'fleetjax[aot]'",
+    ),
+    pytest.mark.slow,  # 4 to 6 GPT steps compiled for H100s per test: 40 to 100 s each
+]
+
+
+def explain(config: GPTConfig, hybrid: dict, rows: int, gpus: int) -> fleetjax.Explanation:
+    """`fleetjax.explain` of the GPT's train step for `rows` sequences on `gpus` compile-only
+    H100s laid out by `hybrid` (Paddle's `hybrid_configs`)."""
+    strategy = fleetjax.DistributedStrategy(amp=True, hybrid_configs=hybrid)
+    strategy.amp_configs = {"dtype": "bfloat16", "use_pure_bf16": True}
+    mesh = mesh_for(read_plan(strategy), targets.devices("h100", gpus))
+    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    fns, params = GPTFunctions(model), nnx.to_pure_dict(nnx.state(model))
+    specs = fns.pipeline_params(fns.partition_specs(mesh=mesh))
+    step = fleetjax.make_train_step(
+        fns.pipeline_layer(), optax.sgd(1e-4), strategy, mesh, param_specs=specs
+    )
+    state = step.abstract_init(fns.pipeline_params(params))
+    tokens = jax.ShapeDtypeStruct((rows, config.max_position_embeddings + 1), jnp.int32)
+    return fleetjax.explain(step, {"tokens": tokens}, state, show=False)
+
+
+def per_layer(config: GPTConfig, hybrid: dict, rows: int, gpus: int) -> tuple[int, dict]:
+    """One layer's temporaries (bytes) and its collectives' bytes by (op, mesh axes)."""
+    one, two = (
+        explain(dataclasses.replace(config, num_hidden_layers=n), hybrid, rows, gpus)
+        for n in (1, 2)
+    )
+    sent = {}
+    for sign, report in ((-1, one), (1, two)):
+        for c in report.collectives:
+            sent[c.op, c.axes] = sent.get((c.op, c.axes), 0) + sign * c.bytes
+    return two.temp - one.temp, {k: v for k, v in sent.items() if v}
+
+
+# Korthikanti et al. 2022's sizes: sequence s, micro-batch b, hidden h, heads a.
+S, B, H, A = 1024, 8, 1024, 16
+KORTHIKANTI = GPTConfig(1024, S, H, A, 1, 4 * H)
+
+
+def korthikanti(t: int, sequence_parallel: bool) -> float:
+    """A tensor-parallel layer's activation bytes (Korthikanti et al. 2022, 16-bit)."""
+    outside = 34 / t if sequence_parallel else 10 + 24 / t
+    return S * B * H * (outside + 5 * A * S / (H * t))
+
+
+def test_sequence_parallel_divides_the_layers_activations_by_mp():
+    """Per layer, on t = 2, 4, 8 compile-only H100s (mp = t), with and without sequence
+    parallelism (with `mp_configs.recompute_allgather`: a column layer keeps its input split,
+    as Korthikanti's 34 / t assumes). Under sequence parallelism a layer keeps 1/t of what it
+    keeps on one device (bytes x t the same for every t); without it, LayerNorm's and the
+    residual's part stays whole. Each all-reduce over mp is a reduce-scatter plus an
+    all-gather of the same bytes (and the backward's gathers again the kept inputs).
+
+    The example GPT keeps about 3x Korthikanti's bytes either way (flax's LayerNorm keeps
+    three float32 intermediates, XLA's attention float32 scores, their exponentials and a
+    mask, the exact gelu four tensors, where Korthikanti counts one 16-bit tensor each), so
+    the formula is checked for what it predicts of sequence parallelism: the ratio with to
+    without it, within 1.25x."""
+    mp_configs = {"recompute_allgather": True}
+    measured = {}
+    for t in (2, 4, 8):
+        for sp in (False, True):
+            config = dataclasses.replace(KORTHIKANTI, sequence_parallel=sp)
+            hybrid = {"mp_degree": t, "mp_configs": mp_configs}
+            measured[t, sp] = per_layer(config, hybrid, B, t)
+    for t in (2, 4, 8):
+        (whole, tp), (split, sp) = measured[t, False], measured[t, True]
+        predicted = korthikanti(t, True) / korthikanti(t, False)
+        assert 0.8 <= (split / whole) / predicted <= 1.25, (t, split / whole, predicted)
+        # Bytes sent over mp per layer: Megatron's all-reduces (2 forward, 2 backward) ...
+        rows = S * B * H * 2  # a bf16 [b, s, h]
+        assert tp == {("all-reduce", ("mp",)): 4 * rows}, tp
+        # ... become reduce-scatters of the same operands and all-gathers of the same results,
+        # and the backward gathers the two column layers' kept inputs again; what is still
+        # all-reduced is the gradients of the parameters used on the split sequence (the
+        # LayerNorms' and the row layers' biases: 6 h).
+        assert sp[("reduce-scatter", ("mp",))] * t == 4 * rows, sp
+        assert sp[("all-gather", ("mp",))] == (4 + 2) * rows, sp
+        assert sp[("all-reduce", ("mp",))] == 6 * H * 2, sp
+    divided = [measured[t, True][0] * t for t in (2, 4, 8)]
+    assert max(divided) <= 1.25 * min(divided), divided
+    whole = [measured[t, False][0] * t for t in (2, 4, 8)]
+    assert whole[-1] > 1.25 * whole[0], whole  # the part outside the matmuls stays whole
+
+
+# A long sequence, 64 H100s: mp 4 x dp (16 / degree) x the axis, one sequence per data replica.
+LONG = GPTConfig(1024, 8192, 1024, 16, 1, 4096)
+
+
+@pytest.mark.parametrize("axis", ["sep", "cp"])
+def test_sep_and_cp_divide_attentions_memory_by_their_degree(axis):
+    """The example GPT at 8192 tokens on 64 compile-only H100s, dp x mp 4 x `axis` at degree
+    1, 2 and 4 (dp = 16 / degree, a sequence per data replica), a layer's temporaries.
+
+    Attention's scores ([heads / mp, s, s] per sequence: 11 bytes an element, about 2/3 of the
+    layer at one device per sequence) dominate. Under `sep` each device attends the whole
+    sequence for heads / (mp sep) heads: the layer falls as 1/sep. Under `cp` the ring keeps
+    no scores at all (each block's are recomputed in the backward pass): from cp = 1 (XLA's
+    attention) to 2 the layer falls by more than 1/2, from 2 to 4 by 1/2 (each device keeps
+    1/cp of the sequence)."""
+    sizes = {}
+    for degree in (1, 2, 4):
+        hybrid = {"dp_degree": 16 // degree, "mp_degree": 4, f"{axis}_degree": degree}
+        if axis == "cp":  # Paddle carves the cp group out of the sharding group
+            hybrid["sharding_degree"] = degree
+        sizes[degree] = per_layer(LONG, hybrid, 16 // degree, 64)[0]
+    print(axis, {d: f"{b / 2**20:.1f} MiB" for d, b in sizes.items()})
+    if axis == "sep":
+        for degree in (2, 4):
+            assert 0.8 <= sizes[degree] / sizes[1] * degree <= 1.25, sizes
+    else:
+        assert sizes[2] <= sizes[1] / 2, sizes
+        assert 0.8 <= sizes[4] / sizes[2] * 2 <= 1.25, sizes
+
+
+def test_sep_and_cp_compose_with_dp_mp_and_pp_on_64_h100s():
+    """dp 2 x pp 2 x cp 4 x sep 2 x mp 2 (1F1B, 4 micro-batches): the step fits an H100, each
+    axis carries what it is for: all-to-alls over sep, the ring's permutes over cp, the
+    pipeline's over pp, the tensor-parallel layers' collectives over mp."""
+    config = dataclasses.replace(LONG, num_hidden_layers=4)
+    strategy = fleetjax.DistributedStrategy(amp=True, pipeline=True)
+    strategy.amp_configs = {"dtype": "bfloat16", "use_pure_bf16": True}
+    strategy.hybrid_configs = {
+        "dp_degree": 2, "pp_degree": 2, "sharding_degree": 4, "cp_degree": 4,
+        "sep_degree": 2, "mp_degree": 2,
+    }  # fmt: skip
+    strategy.pipeline_configs = {"accumulate_steps": 4, "micro_batch_size": 1}
+    mesh = mesh_for(read_plan(strategy), targets.devices("h100", 64))
+    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    fns, params = GPTFunctions(model), nnx.to_pure_dict(nnx.state(model))
+    specs = fns.pipeline_params(fns.partition_specs(mesh=mesh))
+    step = fleetjax.make_train_step(
+        fns.pipeline_layer(), optax.sgd(1e-4), strategy, mesh, param_specs=specs
+    )
+    state = step.abstract_init(fns.pipeline_params(params))
+    tokens = jax.ShapeDtypeStruct((8, config.max_position_embeddings + 1), jnp.int32)
+    report = fleetjax.explain(step, {"tokens": tokens}, state, show=False)
+    assert report.gpu.peak_bytes <= report.gpu.hbm_bytes, report.gpu.verdict
+    ops = {(c.op, c.axes) for c in report.collectives}
+    assert {("all-to-all", ("sep",)), ("collective-permute", ("cp",))} <= ops, ops
+    assert ("collective-permute", ("pp",)) in ops, ops
+    assert any(axes == ("mp",) for _, axes in ops), ops

@@ -136,7 +136,6 @@ def test_sep_and_cp_divide_attentions_memory_by_their_degree(axis):
         if axis == "cp":  # Paddle carves the cp group out of the sharding group
             hybrid["sharding_degree"] = degree
         sizes[degree] = per_layer(LONG, hybrid, 16 // degree, 64)[0]
-    print(axis, {d: f"{b / 2**20:.1f} MiB" for d, b in sizes.items()})
     if axis == "sep":
         for degree in (2, 4):
             assert 0.8 <= sizes[degree] / sizes[1] * degree <= 1.25, sizes

@@ -206,6 +206,7 @@ def _losses(output: str) -> dict[int, str]:
     return dict((int(s), v) for s, v in re.findall(r"^step (\d+): loss (\S+)$", output, re.M))
 
 
+@pytest.mark.slow  # 30 s; test_launch_restarts kills a worker and resumes by default
 def test_resuming_after_a_kill_repeats_the_losses(tmp_path):
     args = [sys.executable, "-u", str(EXAMPLE), "--steps", "24", "--log-every", "1"]
     args += ["--hidden", "64"]

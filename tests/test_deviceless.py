@@ -96,10 +96,10 @@ def merge(mode):
     return DS(gradient_merge=True, gradient_merge_configs={"k_steps": 2, "mode": mode})
 
 
-def case(name, strategy, collectives, hosts=1, state_bytes=None):
+def case(name, strategy, collectives, hosts=1, state_bytes=None, marks=()):
     """A strategy, the collectives its compiled step must have, the hosts the 8 GPUs are on,
     and the train state's bytes per device by formula, where the test checks them."""
-    return pytest.param(strategy, collectives, hosts, state_bytes, id=name)
+    return pytest.param(strategy, collectives, hosts, state_bytes, id=name, marks=marks)
 
 
 # ZeRO's formulas for P parameter bytes (fp32) with Adam's two moments on N = 8 devices:
@@ -135,6 +135,7 @@ CASES = [
         DS(use_hierarchical_allreduce=True),
         {"all-reduce", "collective-permute"},
         hosts=2,  # XLA:GPU compiles its rings' 53 permutes in 16 s (the others: 1 to 7 s)
+        marks=pytest.mark.slow,  # 26 s on 2 busy cores: the default suite's 15 minutes
     ),
 ]
 

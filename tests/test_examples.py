@@ -57,6 +57,7 @@ def run(script: str, *args: str) -> tuple[dict, list[dict], str]:
     return {"first": first, "last": last, "rest": summary["rest"]}, metrics, out.stderr
 
 
+@pytest.mark.slow  # 20 s; test_hybrid trains dp2 x pp2 x mp2 by default
 def test_gpt_trains_dp2_pp2_mp2_from_its_strategy_file():
     """Issue 5: the example GPT trains with dp2 x pp2 x mp2 on 8 devices (the file holds the
     script's default strategy: see test_strategy_files_are_what_the_scripts_build)."""

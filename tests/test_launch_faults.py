@@ -145,6 +145,7 @@ def test_a_frozen_worker_is_named_when_jax_misses_its_heartbeats(launcher, tmp_p
     ), err
 
 
+@pytest.mark.slow  # 15 s of silent training; the hang tests run by default
 def test_train_steps_are_progress(launcher, tmp_path):
     # 10 s of silent training under an 8 s timeout (longer than importing JAX and joining on a
     # busy machine): each TrainStep call is progress, and so are init's and the first call's

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from launching import (
     ENV,
     WORKER,
@@ -81,6 +82,7 @@ def test_a_killed_worker_restarts_the_job_from_its_checkpoint(launcher, tmp_path
     )
 
 
+@pytest.mark.slow  # 21 s; the killed worker's restart above runs by default
 def test_a_lost_node_leaves_the_job_to_the_others(launcher, tmp_path):
     # --nnodes 1:2: two nodes of one worker x 2 devices; node 1's launcher is killed after
     # step 17; node 0 goes on alone: 2 devices, the checkpoint of 4 resharded onto them, the

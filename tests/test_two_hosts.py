@@ -132,6 +132,7 @@ def test_a_worker_killed_on_one_host_is_named_on_both(two_hosts, tmp_path):
         assert err.endswith(f"fleetjax-run: {killed}{STOP}"), err
 
 
+@pytest.mark.slow  # the other two-host faults run by default
 def test_a_host_that_never_starts_is_named_within_the_join_timeout(two_hosts, tmp_path):
     errors = []
     for rank in (0, 1):  # either one waiting for the other

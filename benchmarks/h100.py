@@ -331,8 +331,7 @@ def run(quick: bool = False) -> Result:
     cases = [("1.3B", 8), ("175B", 1024)] if quick else [(m, g) for m in MODELS for g in GPUS]
     start = time.perf_counter()
     rows = [auto_row(name, gpus) for name, gpus in cases]
-    if not quick:
-        rows += [megatron_row(*layout) for layout in MEGATRON]
+    rows += [megatron_row(*layout) for layout in MEGATRON]  # what auto's 175B row is held to
     zero, pipe = zero_rows(), pipeline_rows(quick)
     notes = NOTES.format(
         seconds=time.perf_counter() - start,

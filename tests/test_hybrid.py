@@ -113,7 +113,7 @@ def test_dp2_pp2_mp2_trains_like_one_device(gpt, batches, reference, kind):
     np.testing.assert_allclose(got, reference, rtol=2e-6)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 3])  # 3 gathers too
 def test_pipeline_with_zero_and_mp(gpt, batches, reference, stage):
     """Stage 3 splits the embedding table over sharding and mp (XLA aborted partitioning its
     lookup inside the pipeline until the pipeline gathered it first)."""

@@ -52,14 +52,18 @@ GPUS = (8, 64, 512, 1024)
 # Tensor parallelism fixed within a host for the models Megatron-LM splits 8 ways (the search
 # over mp would compile each model a few more times on this 2-core machine).
 FIXED_MP = {"13B": 8, "175B": 8}
-# (model, GPUs, tensor, pipeline, chunks per stage): Narayanan et al. 2021's 175B layouts, the
-# interleaved one, and Megatron-Core's GPT-3 175B on H100 (tp 4 x pp 8 on 512 GPUs).
-MEGATRON = (
-    ("175B", 1024, 8, 8, 1),
-    ("175B", 1024, 8, 16, 1),
-    ("175B", 1024, 8, 8, 2),
-    ("175B", 512, 4, 8, 1),
-)
+# Megatron-LM's tensor x pipeline split for each model: Narayanan et al. 2021, table 1, the
+# row of the same hidden size or the nearest (1.7B: 1 x 1; 7.5B: 4 x 1; 18B: 8 x 1; 145B and
+# the 175B runs: 8 x 8), laid out on every GPU count that holds one copy and splits the batch.
+MEGATRON_SPLIT = {"1.3B": (1, 1), "6.7B": (4, 1), "13B": (8, 1), "175B": (8, 8)}
+# (model, GPUs, tensor, pipeline, chunks per stage): Megatron-LM's other published 175B
+# layouts (tp 8 x pp 16, the interleaved schedule) and Megatron-Core's GPT-3 175B on H100.
+MEGATRON_CORE = ("175B", 512, 4, 8, 1)
+PUBLISHED = (("175B", 1024, 8, 8, 1), ("175B", 1024, 8, 16, 1), ("175B", 1024, 8, 8, 2))
+PUBLISHED += (MEGATRON_CORE,)
+# Where auto searches in a full run: each model on the GPU count of its Megatron-LM run's
+# scale (a search compiles tens of candidates; every cell would take hours on 2 cores).
+AUTO_CELLS = (("1.3B", 8), ("6.7B", 64), ("13B", 512), ("175B", 512), ("175B", 1024))
 PEAK = targets.get("h100").spec.peak_bf16_flops
 
 
@@ -187,38 +191,63 @@ def _same(tree: Any) -> Any:
     return tree
 
 
+def megatron_layouts(quick: bool) -> list[tuple[str, int, int, int, int]]:
+    """(model, GPUs, tensor, pipeline, chunks per stage) of the Megatron rows: the published
+    175B layouts; in a full run also each model's split on every GPU count it fits."""
+    if quick:
+        return list(PUBLISHED)
+    grid = [
+        (name, gpus, tp, pp, 1)
+        for name, (tp, pp) in MEGATRON_SPLIT.items()
+        for gpus in GPUS
+        if gpus % (tp * pp) == 0 and MODELS[name][3] % (gpus // (tp * pp)) == 0
+    ]
+    return grid + [layout for layout in PUBLISHED if layout not in grid]
+
+
 def megatron_row(name: str, gpus: int, tp: int, pp: int, vpp: int = 1) -> dict[str, Any]:
     """Megatron-LM's layout: tensor `tp` x pipeline `pp` (1F1B, or interleaved over `vpp`
-    chunks per stage; micro-batches of one sequence), data parallel over the rest with the
-    optimizer state split over it (its distributed optimizer = ZeRO-1), full recompute."""
+    chunks per stage), data parallel over the rest with the optimizer state split over it
+    (its distributed optimizer = ZeRO-1), micro-batches of one sequence (in-step gradient
+    merge without a pipeline), full recompute."""
     fns, params, batch = gpt(name)
     formula = formula_of(name, gpus, tp, pp, vpp)
     dp = formula.dp
-    s = bf16()
-    s.sharding, s.pipeline, s.recompute = True, True, True
-    s.hybrid_configs = {"sharding_degree": dp, "mp_degree": tp, "pp_degree": pp}
-    s.sharding_configs = {"sharding_degree": dp, "stage": 1}
-    s.pipeline_configs = {
-        "accumulate_steps": formula.micro_batches,
-        "micro_batch_size": 1,
-        "schedule_mode": "VPP" if vpp > 1 else "1F1B",
-    }
-    s.recompute_configs = {"policy": "nothing_saveable"}
-    mesh = targets.mesh("h100", gpus, sharding=dp, pp=pp, mp=tp)
-    specs = fns.pipeline_params(fns.partition_specs(mesh=mesh))
-    step = fleetjax.make_train_step(
-        fns.pipeline_layer(vpp), optax.adam(1e-4), s, mesh, param_specs=specs
+    layout = auto.Layout(
+        dp=1,
+        sharding=dp,
+        stage=1 if dp > 1 else 0,
+        mp=tp,
+        pp=pp,
+        recompute=True,
+        micro_batches=formula.micro_batches,
+        vpp=vpp,
     )
-    schedule = f"VPP (V={vpp})" if vpp > 1 else "1F1B"
+    strategy = layout.strategy(bf16(), MODELS[name][3])
+    mesh = targets.mesh("h100", gpus, sharding=dp, pp=pp, mp=tp)
+    specs = fns.partition_specs(mesh=mesh)
+    if pp > 1:
+        loss, params, specs = (
+            layout.loss(fns.pipeline_layer()),
+            *map(fns.pipeline_params, (params, specs)),
+        )
+    else:
+        loss = fns.loss_fn
+    step = fleetjax.make_train_step(loss, optax.adam(1e-4), strategy, mesh, param_specs=specs)
+    parts = [f"dp={dp}" + (" (ZeRO-1)" if dp > 1 else ""), f"mp={tp}"]
+    parts += [f"pp={pp} VPP (V={vpp})" if vpp > 1 else f"pp={pp} 1F1B"] if pp > 1 else []
+    parts += [f"{formula.micro_batches} micro-batches", "recompute"]
+    cell = (name, gpus, tp, pp, vpp)
+    by = "Megatron-Core" if cell == MEGATRON_CORE else "Megatron-LM"
     row = {
         "model": name,
         "GPUs": gpus,
-        "by": "Megatron-LM",
-        "layout": f"dp={dp} (ZeRO-1) mp={tp} pp={pp} {schedule} recompute",
+        "by": by,
+        "layout": " ".join(parts),
         "formula HBM GiB": sum(formula.hbm().values()) / GiB,
         "formula MFU": formula.mfu(targets.get("h100").spec),
     }
-    return row | explained_row(gpus, step, fns.pipeline_params(params), batch, formula)
+    return row | explained_row(gpus, step, params, batch, formula)
 
 
 def zero_rows() -> list[dict[str, Any]]:
@@ -294,27 +323,35 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _rows_of(rows: list[dict[str, Any]], name: str, by: str) -> list[dict[str, Any]]:
+    """`name`'s compiled rows by `by`; Megatron-LM's those of its split (`MEGATRON_SPLIT`)."""
+    tp, pp = MEGATRON_SPLIT[name]
+    split = {f"mp={tp}"} | ({f"pp={pp}"} if pp > 1 else set())
+    mine = [r for r in rows if r["model"] == name and r["by"] == by and "HBM GiB" in r]
+    if by == "auto":
+        return mine
+    return [r for r in mine if split <= set(r["layout"].split()) and "VPP" not in r["layout"]]
+
+
 def _figure(rows: list[dict[str, Any]]) -> Figure:
     fig = Figure(figsize=(10, 3.8))
     memory, mfu = fig.subplots(1, 2)
-    for name in MODELS:
-        mine = [r for r in rows if r["model"] == name and "HBM GiB" in r and r["by"] == "auto"]
-        if mine:
-            gpus = [r["GPUs"] for r in mine]
-            memory.plot(gpus, [r["HBM GiB"] for r in mine], "o-", label=f"GPT {name}")
-            mfu.plot(gpus, [100 * r["est. MFU"] for r in mine], "o-", label=f"GPT {name}")
-    for r in rows:
-        if r["by"] == "Megatron-LM":
-            label = " ".join(r["layout"].split()[2:4])
-            memory.plot([r["GPUs"]], [r["HBM GiB"]], "x", label=f"Megatron-LM {r['model']} {label}")
+    for color, name in zip(("C0", "C1", "C2", "C3"), MODELS, strict=True):
+        for by, style in (("auto", "o"), ("Megatron-LM", "x--")):
+            mine = sorted(_rows_of(rows, name, by), key=lambda r: r["GPUs"])
+            if mine:
+                gpus = [r["GPUs"] for r in mine]
+                label = f"GPT {name}, {by}"
+                memory.plot(gpus, [r["HBM GiB"] for r in mine], style, color=color, label=label)
+                mfu.plot(gpus, [100 * r["est. MFU"] for r in mine], style, color=color, label=label)
     memory.axhline(targets.get("h100").spec.hbm_bytes / GiB, color="k", ls="--", lw=1)
     memory.set_yscale("log")
     memory.set_ylabel("per-device HBM, GiB (peak estimate)")
-    memory.set_title("Per-device HBM of the layout auto picks (H100: 79.1 GiB)")
+    memory.set_title("Per-device HBM (H100: 79.1 GiB)")
     mfu.axhline(47, color="g", ls=":", lw=1, label="Megatron-LM, H100 (47%)")
     mfu.axhline(50, color="m", ls=":", lw=1, label="MaxText (~50%)")
     mfu.set_ylabel("estimated MFU, %")
-    mfu.set_title("Estimated MFU (roofline, no overlap)")
+    mfu.set_title("Estimated MFU (cost model, no overlap)")
     for ax in (memory, mfu):
         ax.set_xscale("log", base=2)
         ax.set_xticks(GPUS, [str(g) for g in GPUS])
@@ -328,10 +365,10 @@ def run(quick: bool = False) -> Result:
     if not targets.plugin_installed():
         missing = "Not run: jax's CUDA plugin is missing (`pip install -e '.[aot]'`)."
         return Result(title, [], missing)
-    cases = [("1.3B", 8), ("175B", 1024)] if quick else [(m, g) for m in MODELS for g in GPUS]
+    cases = [("1.3B", 8), ("175B", 1024)] if quick else AUTO_CELLS
     start = time.perf_counter()
     rows = [auto_row(name, gpus) for name, gpus in cases]
-    rows += [megatron_row(*layout) for layout in MEGATRON]  # what auto's 175B row is held to
+    rows += [megatron_row(*layout) for layout in megatron_layouts(quick)]
     zero, pipe = zero_rows(), pipeline_rows(quick)
     notes = NOTES.format(
         seconds=time.perf_counter() - start,
@@ -340,6 +377,11 @@ def run(quick: bool = False) -> Result:
         **_figures(rows, zero, pipe),
     )
     return Result(title, rows, notes, _figure(rows))
+
+
+def _published(row: dict) -> bool:
+    """Whether `row` is one of the published 175B layouts (`PUBLISHED`)."""
+    return row["model"] == "175B" and (row["GPUs"] == 1024 or row["by"] == "Megatron-Core")
 
 
 def _slowest(rows: list[dict]) -> str:
@@ -357,8 +399,16 @@ def _figures(rows: list[dict], zero: list[dict], pipe: list[dict]) -> dict[str, 
     """The numbers the notes quote."""
     fitted = [r for r in rows if "est. MFU" in r and r["by"] == "auto"]
     big = next((r for r in fitted if (r["model"], r["GPUs"]) == ("175B", 1024)), {})
-    megatron = [r for r in rows if r["by"] == "Megatron-LM"]
+    hands = [r for r in rows if r["by"] != "auto" and "HBM GiB" in r]
+    megatron = [r for r in hands if _published(r)]
     same_gpus = [r for r in megatron if r["GPUs"] == big.get("GPUs")]
+    ratios = [float(v.split("(")[1][:-1]) for r in hands for k, v in r.items() if "x formula" in k]
+    cells = [
+        f"{r['model']} on {r['GPUs']}: {r['est. step s']:.2f} s vs {m['est. step s']:.2f} s"
+        for r in fitted
+        for m in _rows_of(rows, r["model"], "Megatron-LM")
+        if m["GPUs"] == r["GPUs"]
+    ]
     hand = min(same_gpus, key=lambda r: r["est. step s"], default={})
     ratio = [r["H100 / CPU"] for r in pipe]
     return {
@@ -374,6 +424,12 @@ def _figures(rows: list[dict], zero: list[dict], pipe: list[dict]) -> dict[str, 
         "megatron_plain": ", ".join(f"{100 * r['plain-model MFU']:.0f}%" for r in megatron),
         "formula_mfu": ", ".join(f"{100 * r['formula MFU']:.0f}%" for r in megatron),
         "slowest": _slowest(rows),
+        "hands": str(len(hands)),
+        "hand_hbm_low": f"{min((r['HBM / formula'] for r in hands), default=math.nan):.2f}",
+        "hand_hbm_high": f"{max((r['HBM / formula'] for r in hands), default=math.nan):.2f}",
+        "axis_low": f"{min(ratios, default=math.nan):.2f}",
+        "axis_high": f"{max(ratios, default=math.nan):.2f}",
+        "auto_vs_hand": "; ".join(cells) or "-",
         "zero_temp": ", ".join(f"{r['H100 temp MiB'] / r['CPU temp MiB']:.2f}" for r in zero),
         "pipe_low": f"{min(ratio):.2f}",
         "pipe_high": f"{max(ratio):.2f}",
@@ -411,7 +467,16 @@ flops x 4/3 for recompute, stretched by the bubble (pp - 1) / (m V), plus each a
 bytes). The best estimate here is {best_mfu}% (Megatron-LM reports up to 47% MFU on H100 for
 GPT models of 2B to 462B; MaxText about 50%).
 
-Megatron-LM's layouts for 175B ({megatron_hbm} GiB per device; {megatron_ratio} x its
+**Megatron's splits on every GPU count.** Each model also runs Megatron-LM's tensor x
+pipeline split for its size (Narayanan et al. 2021, table 1, the nearest row: 1.3B 1 x 1,
+6.7B 4 x 1, 13B 8 x 1, 175B 8 x 8) on every GPU count that holds a copy and splits the batch,
+data parallel over the rest with ZeRO-1 (Megatron's distributed optimizer), micro-batches of
+one sequence (in-step gradient merge where there is no pipeline) and full recompute: the
+dashed lines of the plot. Their {hands} compiles come to {hand_hbm_low} to {hand_hbm_high} x
+the formula's HBM, each axis's payload {axis_low} to {axis_high} x its formula. Auto against
+the split on the same GPUs (est. step, no overlap): {auto_vs_hand}.
+
+Megatron's published layouts for 175B ({megatron_hbm} GiB per device; {megatron_ratio} x its
 formula) compile with every axis's payload within 1.25x of the formula and a plain-model MFU
 of {megatron_plain} (the formula's own: {formula_mfu}). The pipeline keeps each in-flight
 micro-batch's layer inputs only (full recompute), split over mp (each mp device keeps its part

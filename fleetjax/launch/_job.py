@@ -13,9 +13,9 @@ fleetjax/launch/_rendezvous.py) decides for all, over the links to the others:
     either        {"alive": true} every second; silence for `--peer_timeout` s is a lost node
 
 The hub names the earliest failure it hears of within `SETTLE_SECONDS` of the first (of its
-workers', a node's report, a lost link), so every node names the same worker and exits with
-the same code. On a
-restart the hub meets the nodes again: with `--nnodes min:max`, the ones still there (at least
+workers', a node's report, a lost link; a lost node before any other, as what fails because
+of it may be seen first), so every node names the same worker and exits with the same code. On
+a restart the hub meets the nodes again: with `--nnodes min:max`, the ones still there (at least
 `min`) and any that come within `--elastic_timeout`, numbered anew.
 """
 
@@ -276,7 +276,11 @@ class Job:
             if failures:
                 first = first or time.monotonic()
                 if time.monotonic() - first >= SETTLE_SECONDS:
-                    return min(failures, key=lambda f: f.time), _without(members, lost)
+                    # A lost node explains the rest: its workers die with it and their peers
+                    # fail after, though a busy hub may see a peer's exit before the loss.
+                    gone = {node_name(nodes, ranks[link]) for link in lost}
+                    causes = [f for f in failures if f.who in gone] or failures
+                    return min(causes, key=lambda f: f.time), _without(members, lost)
             elif attempt.succeeded and done == set(ranks):
                 return None, members
 

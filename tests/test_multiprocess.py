@@ -22,7 +22,11 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
-@pytest.mark.parametrize("joined_by", ["paddle_variables", "jax_itself"])
+@pytest.mark.parametrize(
+    "joined_by",
+    # jax's own variables under -m slow: the launcher tests start workers that way too
+    ["paddle_variables", pytest.param("jax_itself", marks=pytest.mark.slow)],
+)
 def test_two_processes_train_data_parallel(joined_by):
     endpoints = [f"127.0.0.1:{port}" for port in _free_ports(2)]
     procs = []

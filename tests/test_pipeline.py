@@ -77,9 +77,17 @@ def reference(params, batch, replicas, micro_batches, model=(embed, stage, head_
     return jax.jit(jax.value_and_grad(loss))(*jax.device_put((params, batch), device))
 
 
+# One micro-batch, as many as stages and more than twice as many; by default pp=2 with 1 and
+# 2 pp + 1 and pp=4 with pp and 2 pp + 1 micro-batches, the rest under -m slow (suite time).
+DEFAULT_GRID = {(2, 1), (2, 5), (4, 4), (4, 9)}
 CASES = [
-    (mode, pp, m) for mode in ("FThenB", "1F1B") for pp in (2, 4) for m in (1, pp, 2 * pp + 1)
-] + [("VPP", pp, m) for pp in (2, 4) for m in (pp, 2 * pp + 1)]
+    (mode, pp, m) if (pp, m) in DEFAULT_GRID else pytest.param(mode, pp, m, marks=pytest.mark.slow)
+    for mode in ("FThenB", "1F1B")
+    for pp in (2, 4)
+    for m in (1, pp, 2 * pp + 1)
+]
+CASES += [("VPP", 2, 5), ("VPP", 4, 4), ("VPP", 4, 9)]
+CASES += [pytest.param("VPP", 2, 2, marks=pytest.mark.slow)]
 # Eager1F1B and the zero-bubble schedules (backward split into B and W: tests/test_zero_bubble.py)
 CASES += [("ZBH1", 2, 2), ("ZBH1", 4, 9), ("ZBVPP", 2, 5), ("Eager1F1B", 2, 3)]
 CASES += [pytest.param(*c, marks=pytest.mark.slow) for c in [("ZBH1", 4, 4), ("ZBVPP", 4, 4)]]
@@ -185,8 +193,17 @@ def head_with_metrics(p, x, batch):
     return loss, {"loss": loss, "first_output": jnp.mean(x @ p["w"], axis=0)[0]}
 
 
-@pytest.mark.parametrize("has_aux", [False, True], ids=["loss", "aux"])
-@pytest.mark.parametrize("axes", [AxisType.Auto, AxisType.Explicit], ids=lambda a: a.name)
+@pytest.mark.parametrize(
+    ("axes", "has_aux"),
+    [
+        (AxisType.Auto, False),
+        (AxisType.Explicit, True),
+        # each axis type and each head form runs once by default (the suite's time)
+        pytest.param(AxisType.Auto, True, marks=pytest.mark.slow),
+        pytest.param(AxisType.Explicit, False, marks=pytest.mark.slow),
+    ],
+    ids=["Auto-loss", "Explicit-aux", "Auto-aux", "Explicit-loss"],
+)
 def test_loss_scale_scales_the_gradients_not_the_loss(axes, has_aux):
     """AMP's loss scaling: the backward runs on the scaled loss, so the gradients come back
     times the scale; the loss and the metrics do not."""

@@ -20,6 +20,12 @@ from fleetjax.transforms.pipeline import to_model_order
 SCHEDULES = ["FThenB", "1F1B", "VPP"]
 
 
+def schedules(default: str) -> list:
+    """`SCHEDULES`, all but `default` under -m slow: each test runs one schedule by default
+    (the suite's time), a different one per test."""
+    return [s if s == default else pytest.param(s, marks=pytest.mark.slow) for s in SCHEDULES]
+
+
 def model_for(schedule, model=MODEL):
     vpp = 2 if schedule == "VPP" else 1
     return PipelineLayer(model.embed, model.stage, model.head_loss, vpp)
@@ -50,7 +56,7 @@ def seed_002(schedule=None):
     return fleetjax.Strategy(config)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", schedules("1F1B"))
 def test_in_step_gradient_merge_is_the_pipelines_accumulation(schedule):
     """As Paddle's auto-parallel engine runs seed 002: the batch is cut into k_steps
     micro-batches, which the pipeline accumulates, averaged (Paddle sets avg=True)."""
@@ -144,7 +150,7 @@ def half_precision_tolerance(unit_roundoff, lr=0.1, replicas=4):
     return jax.tree.map(lambda g: lr * (replicas + 1) * unit_roundoff * g, largest), update
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", schedules("VPP"))
 def test_fp16_allreduce_reduces_the_pipelines_gradients_in_half_precision(schedule):
     """Seed 001's pipeline + fp16_allreduce: each replica's gradient, over the replica count,
     is summed over the data axes in float16, once, after the loop, as without the pipeline."""
@@ -224,7 +230,7 @@ def initial_state(layers=8):
     )
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", schedules("FThenB"))
 def test_model_state_in_the_stages(schedule):
     """Every micro-batch of every replica sees the step's state; the new float states are
     averaged over all of them and the others are the last one's, as the unpipelined step's

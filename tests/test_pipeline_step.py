@@ -194,9 +194,10 @@ def keyed_reference(params, batch, key, replicas, micro_batches):
 @pytest.mark.parametrize(
     "schedule, vpp, axes",
     [
-        ("1F1B", 1, AxisType.Auto),
+        # 1F1B on Explicit axes, VPP and no pipeline run by default (the suite's time)
+        pytest.param("1F1B", 1, AxisType.Auto, marks=pytest.mark.slow),
         ("1F1B", 1, AxisType.Explicit),
-        ("FThenB", 1, AxisType.Auto),
+        pytest.param("FThenB", 1, AxisType.Auto, marks=pytest.mark.slow),
         ("VPP", 2, AxisType.Auto),
         (None, 1, AxisType.Auto),
     ],

@@ -62,6 +62,19 @@ HIDDEN = ("activation_length", "activation_embed")  # the residual stream [batch
 # Under sequence parallelism the residual stream's sequence is split over mp too.
 SEQUENCE_PARALLEL_HIDDEN = ("activation_norm_length", "activation_embed")
 HEADS = ("activation_length", "activation_heads", "activation_kv")  # q, k, v
+# The tensors a Megatron-LM layer keeps for its backward pass (Korthikanti et al. 2022, 4.1;
+# the block's input is kept as the scanned layers' carry), named with `fleetjax.checkpoint_name`:
+# ``recompute_configs={"checkpoints": MEGATRON_KEPT}`` keeps these and recomputes the rest,
+# attention's scores included (Korthikanti's selective recompute).
+MEGATRON_KEPT = (
+    "ln_1_output",  # the q, k, v projection's input
+    "qkv",
+    "attention_output",  # the output projection's input
+    "ln_2_input",  # the residual after attention
+    "ln_2_output",  # the MLP's input
+    "fc_in_output",  # gelu's input
+    "gelu_output",  # the second MLP linear's input
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,14 +235,16 @@ class Attention(nnx.Module):
         heads, head_dim = self.config.num_attention_heads, self.config.head_dim
         # Head-major columns [heads, (q, k, v), head_dim]: an mp device's contiguous block of
         # columns holds whole heads, so attention needs no communication.
-        qkv = self.qkv_proj(x).reshape(batch, length, heads, 3, head_dim)
+        qkv = fleetjax.checkpoint_name(self.qkv_proj(x), "qkv")
+        qkv = qkv.reshape(batch, length, heads, 3, head_dim)
         q, k, v = (constrain(qkv[..., i, :], HEADS) for i in range(3))
         implementation = self.config.attention_implementation
         if implementation == "cudnn" and q.dtype == jnp.float32:
             q, k, v = (y.astype(jnp.bfloat16) for y in (q, k, v))  # cuDNN takes bf16/fp16 only
         # The tokens are in the load-balanced order since the embedding (see Embed).
         out = attention(q, k, v, is_causal=True, load_balanced=True, implementation=implementation)
-        return self.out_proj(out.astype(x.dtype).reshape(batch, length, width))
+        out = out.astype(x.dtype).reshape(batch, length, width)
+        return self.out_proj(fleetjax.checkpoint_name(out, "attention_output"))
 
 
 class Block(nnx.Module):
@@ -260,8 +275,11 @@ class Block(nnx.Module):
 
     def __call__(self, h: jax.Array, key: jax.Array | None = None) -> jax.Array:
         attn_key, mlp_key = (None, None) if key is None else jax.random.split(key)
-        h = h + _dropout(self.attn(self.ln_1(h)), self.dropout, attn_key)
-        mlp = self.fc_out(jax.nn.gelu(self.fc_in(self.ln_2(h)), approximate=False))
+        name = fleetjax.checkpoint_name
+        h = h + _dropout(self.attn(name(self.ln_1(h), "ln_1_output")), self.dropout, attn_key)
+        h = name(h, "ln_2_input")
+        hidden = name(self.fc_in(name(self.ln_2(h), "ln_2_output")), "fc_in_output")
+        mlp = self.fc_out(name(jax.nn.gelu(hidden, approximate=False), "gelu_output"))
         h = h + _dropout(mlp, self.dropout, mlp_key)
         return constrain(h, self.hidden)
 

@@ -363,6 +363,19 @@ def gpt_reference(model, params, batches):
     return train(step, params, batches)[1]
 
 
+def search_gpt(gpt, **options):
+    """`auto.search` of the example GPT's loss (Adam) for its first batch, with `options`."""
+    model, params, batches = gpt
+    return auto.search(
+        model.loss_fn,
+        optax.adam(1e-2),
+        params,
+        batches[0],
+        param_specs=model.partition_specs(),
+        **options,
+    )
+
+
 def check_gpt_search(found, model, params, batches, budget):
     assert found.chosen.fits and found.chosen.device_bytes <= budget
     step = found.make_train_step()
@@ -376,15 +389,7 @@ def check_gpt_search(found, model, params, batches, budget):
 def test_gpt_given_candidates_under_a_tight_budget(gpt):
     model, params, batches = gpt
     budget = 350 * KiB
-    found = auto.search(
-        model.loss_fn,
-        optax.adam(1e-2),
-        params,
-        batches[0],
-        param_specs=model.partition_specs(),
-        memory_budget=budget,
-        candidates=[{"dp": 8}, {"mp": 8}],
-    )
+    found = search_gpt(gpt, memory_budget=budget, candidates=[{"dp": 8}, {"mp": 8}])
     pure, tensor = found.candidates
     assert pure.device_bytes > budget and not pure.fits
     assert found.chosen is tensor and found.degrees["mp"] == 8
@@ -393,10 +398,7 @@ def test_gpt_given_candidates_under_a_tight_budget(gpt):
 
 @pytest.mark.slow
 def test_gpt_search_with_a_large_budget_picks_pure_data_parallelism(gpt):
-    model, params, batches = gpt
-    found = auto.search(
-        model.loss_fn, optax.adam(1e-2), params, batches[0], param_specs=model.partition_specs()
-    )
+    found = search_gpt(gpt)
     assert found.degrees == {"dp": 8, "sharding": 1, "pp": 1, "mp": 1}
     assert {c.layout.mp for c in found.candidates} == {1, 2, 4, 8}  # mp: the specs split it
 
@@ -405,14 +407,7 @@ def test_gpt_search_with_a_large_budget_picks_pure_data_parallelism(gpt):
 def test_gpt_search_with_a_tight_budget_fits_and_trains_like_one_device(gpt):
     model, params, batches = gpt
     budget = 300 * KiB
-    found = auto.search(
-        model.loss_fn,
-        optax.adam(1e-2),
-        params,
-        batches[0],
-        param_specs=model.partition_specs(),
-        memory_budget=budget,
-    )
+    found = search_gpt(gpt, memory_budget=budget)
     assert found.candidates[0].device_bytes > budget
     # Pruning keeps planning to a handful of compiles per device-count factor.
     assert sum(c.device_bytes is not None for c in found.candidates) <= 20
@@ -444,6 +439,25 @@ def test_gpt_pipeline_layer_adds_pipeline_candidates(gpt):
     others = [c for c in found.candidates if c.layout.recompute and c is not failed[0]]
     assert others and all(c.device_bytes is None for c in others)
     assert found.chosen.fits and found.chosen.device_bytes <= 250 * KiB
+
+
+def test_layouts_with_mp_train_the_sequence_parallel_form_where_there_is_one(gpt):
+    """With the model's sequence-parallel form, a layout with mp > 1 trains it (the report says
+    so) and trains like one device (tests/test_sequence_axes.py checks its collectives); without
+    the form such a layout cannot apply."""
+    model, params, batches = gpt
+    sequence_parallel, _ = make_gpt(dataclasses.replace(GPT_CONFIG, sequence_parallel=True))
+    found = search_gpt(
+        gpt,
+        candidates=[{"dp": 4, "mp": 2}],
+        sequence_parallel=sequence_parallel.loss_fn,
+        isolate=False,
+    )
+    assert found.chosen.layout.sequence_parallel and "mp=2 sequence-parallel" in str(found)
+    assert found.make_train_step().loss_fn == sequence_parallel.loss_fn
+    check_gpt_search(found, model, params, batches, found.memory_budget)
+    with pytest.raises(ValueError, match=r"pass the model's sequence-parallel form as auto"):
+        found.chosen.layout.loss(model.loss_fn)  # a sequence-parallel layout, no form
 
 
 def test_make_train_step_points_to_the_planner():

@@ -45,6 +45,8 @@ class Layout:
         (`sharding_configs["optimize_offload"]`).
       cp: context parallelism (`cp_degree`): the sequence split over a ``cp`` axis of its
         own, carved out of the sharding group as in Paddle (ZeRO is off on these layouts).
+      sequence_parallel: the model's Megatron sequence-parallel form trains it (with mp > 1;
+        `search`'s ``sequence_parallel``): a model form, not in the strategy.
     """
 
     dp: int
@@ -57,6 +59,7 @@ class Layout:
     vpp: int = 1
     offload: bool = False
     cp: int = 1
+    sequence_parallel: bool = False
 
     KEYS = (
         "dp",
@@ -69,6 +72,7 @@ class Layout:
         "vpp",
         "offload",
         "cp",
+        "sequence_parallel",
     )
 
     @property
@@ -165,16 +169,29 @@ class Layout:
             }
         return s
 
-    def loss(self, loss_fn: Any) -> Any:
-        """`loss_fn` as this layout trains it: a `PipelineLayer` cut into `vpp` virtual stages
-        per device under VPP."""
+    def loss(self, loss_fn: Any, sequence_parallel: Any = None) -> Any:
+        """The model as this layout trains it: `loss_fn`, or its `sequence_parallel` form where
+        the layout says so; a `PipelineLayer` cut into `vpp` virtual stages per device under
+        VPP.
+
+        Raises:
+          ValueError: for a sequence-parallel layout without a sequence-parallel form.
+        """
+        if self.sequence_parallel:
+            if sequence_parallel is None:
+                raise ValueError(
+                    f"layout {self} is sequence parallel: pass the model's sequence-parallel "
+                    "form as auto.search(..., sequence_parallel=...)"
+                )
+            loss_fn = sequence_parallel
         if self.vpp == 1:
             return loss_fn
         return dataclasses.replace(loss_fn, num_virtual_pipeline_stages=self.vpp)
 
     @classmethod
     def of(cls, step: TrainStep) -> Layout:
-        """The layout a train step runs."""
+        """The layout a train step runs (its model's form is not in the step:
+        `sequence_parallel` False)."""
         shape, p = step.mesh.shape, step.plan
         merge = p.gradient_merge
         micro = p.pipeline.accumulate_steps if p.pipeline else merge.k_steps if merge else 1
@@ -229,6 +246,8 @@ class Layout:
         if self.sharding > 1:
             parts.append(f"sharding={self.sharding} (stage {self.stage})")
         parts += [f"{a}={getattr(self, a)}" for a in ("cp", "mp", "pp") if getattr(self, a) > 1]
+        if self.sequence_parallel:
+            parts.append("sequence-parallel")
         if self.vpp > 1:
             parts.append(f"vpp={self.vpp}")
         if self.offload:

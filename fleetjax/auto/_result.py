@@ -96,6 +96,7 @@ class SearchResult:
     param_specs: Any = dataclasses.field(repr=False)
     step_options: Mapping[str, bool] = dataclasses.field(repr=False)
     devices: tuple[jax.Device, ...] = dataclasses.field(repr=False, default=())
+    sequence_parallel: Callable[..., Any] | None = dataclasses.field(repr=False, default=None)
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -109,11 +110,14 @@ class SearchResult:
         return mesh_for(read_plan(self.strategy), self.devices or None)
 
     def make_train_step(self) -> TrainStep:
-        """`fleetjax.make_train_step` for the searched loss (cut into the chosen virtual
-        pipeline stages) and optimizer under `strategy`, on `mesh`."""
+        """`fleetjax.make_train_step` for the searched loss (in its sequence-parallel form,
+        cut into the chosen virtual pipeline stages, as the layout says) and optimizer under
+        `strategy`, on `mesh`."""
         layout = self.chosen.layout
         return make_train_step(
-            layout.loss(self.loss_fn) if layout is not None else self.loss_fn,
+            layout.loss(self.loss_fn, self.sequence_parallel)
+            if layout is not None
+            else self.loss_fn,
             self.optimizer,
             self.strategy,
             self.mesh,

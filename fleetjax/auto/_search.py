@@ -116,6 +116,7 @@ class _Planner:
     devices: Sequence[jax.Device]
     compile: Compiler = dataclasses.field(default_factory=Compiler)
     done: list[Candidate] = dataclasses.field(default_factory=list)
+    sequence_parallel: Callable[..., Any] | None = None  # the loss's sequence-parallel form
 
     @functools.cached_property
     def param_bytes(self) -> int:
@@ -202,7 +203,9 @@ class _Planner:
     def step(self, strategy: DistributedStrategy, layout: Layout | None) -> TrainStep:
         """The train step of `strategy` over the devices searched."""
         mesh = mesh_for(read_plan(strategy), self.devices)
-        loss_fn = layout.loss(self.loss_fn) if layout is not None else self.loss_fn
+        loss_fn = self.loss_fn
+        if layout is not None:
+            loss_fn = layout.loss(loss_fn, self.sequence_parallel)
         options = {"param_specs": self.param_specs, **self.step_options}
         return make_train_step(loss_fn, self.optimizer, strategy, mesh, **options)
 
@@ -464,6 +467,7 @@ def search(
     has_aux: bool = False,
     has_rng: bool = False,
     isolate: bool = True,
+    sequence_parallel: Callable[..., Any] | None = None,
 ) -> SearchResult:
     """Choose dp / sharding stage / mp / pp degrees, recompute and micro-batching for
     `loss_fn` on `params` and an example global `batch`, by compiling candidate steps (nothing
@@ -493,6 +497,12 @@ def search(
         candidate XLA aborts on (a failed check inside XLA ends the process compiling it) is
         reported "failed" with XLA's message and the search goes on. False compiles in this
         process.
+      sequence_parallel: the loss in Megatron's sequence-parallel form (Paddle's
+        sequence-parallel layers; the same parameters, e.g. the example GPT built with
+        ``sequence_parallel=True``): it trains every layout with mp > 1, as it moves the same
+        bytes over mp and keeps 1/mp of the activations outside the tensor-parallel matmuls
+        (the report marks those layouts "sequence-parallel"). A degree dict of `candidates`
+        may set ``sequence_parallel`` itself.
 
     Returns:
       The `SearchResult`: the chosen strategy, every candidate and the reason.
@@ -534,13 +544,15 @@ def search(
         _rows(batch),
         devices,
         Compiler(isolate),
+        sequence_parallel=sequence_parallel,
     )
     if candidates is not None:
         _compile_given(planner, candidates)
     else:
         fixed = {a: getattr(base_plan.degrees, a) for a in base_plan.set_degrees}
         sequences = sequence_layouts(len(devices), planner.rows, fixed)
-        planner.search(_layouts_to_search(planner, fixed, uses_mp(specs)), sequences)
+        layouts = _layouts_to_search(planner, fixed, uses_mp(specs))
+        planner.search([_model_form(planner, layout) for layout in layouts], sequences)
     done = tuple(planner.done)
     chosen = planner.best()
     if chosen is None:
@@ -558,6 +570,7 @@ def search(
         param_specs=param_specs,
         step_options=planner.step_options,
         devices=tuple(devices),
+        sequence_parallel=sequence_parallel,
     )
 
 
@@ -570,6 +583,8 @@ def _compile_given(
     for given in candidates:
         if isinstance(given, Mapping):
             layout = Layout.from_dict(given, len(planner.devices))
+            if "sequence_parallel" not in given:
+                layout = _model_form(planner, layout)
             strategy = layout.strategy(planner.base, planner.rows)
             planner.measure(strategy, layout, always_compile=True)
         elif isinstance(given, DistributedStrategy):
@@ -579,6 +594,13 @@ def _compile_given(
                 "candidates must be DistributedStrategy objects or degree dicts, got "
                 f"{type(given).__name__}"
             )
+
+
+def _model_form(planner: _Planner, layout: Layout) -> Layout:
+    """`layout` in the loss's sequence-parallel form where it has mp > 1 and there is one."""
+    if planner.sequence_parallel is None or layout.mp == 1:
+        return layout
+    return dataclasses.replace(layout, sequence_parallel=True)
 
 
 def _layouts_to_search(planner: _Planner, fixed: Mapping[str, int], mp_ok: bool) -> list[Layout]:

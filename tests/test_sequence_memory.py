@@ -136,7 +136,8 @@ def test_sequence_parallel_divides_the_layers_activations_by_mp():
 def test_a_layer_keeps_korthikantis_bytes_when_it_keeps_megatrons_tensors():
     """With Megatron's tensors named (`gpt.MEGATRON_KEPT`: each linear's input, q k v, the
     LayerNorms' inputs, gelu's input and output) and kept by `recompute_configs["checkpoints"]`,
-    everything else recomputed (attention's scores too: Korthikanti's selective recompute), a
+    everything else recomputed (attention's scores too: Korthikanti's selective recompute; and
+    `recompute_allgather`, so a column layer keeps its input split, as Korthikanti counts it), a
     layer keeps Korthikanti's s b h (34 / t) under sequence parallelism and s b h (10 + 24 / t)
     without it (table 2), within 1.25x, on t = 2, 4 and 8 compile-only H100s (mp = t); and
     within 1.2x of the same count without the two dropout masks this model does not make

@@ -243,17 +243,24 @@ over the rounds of fleetjax's step time over the hand-written one's (the two ste
 see the same load from other processes), "ratio quartiles" its spread. The largest ratio is
 {worst["ratio"]:.3f} ({worst["case"]}). What `TrainStep.__call__` adds to a jitted call
 (entering `jax.set_mesh`, checking that the batch's leaves split evenly and are placed) costs
-{min(work):.0f}-{max(work):.0f} us ("call work"), against steps of {min(step_ms):.0f} ms or
+{_span(work)} us ("call work"), against steps of {min(step_ms):.0f} ms or
 more. Data parallel and ZeRO-1 compile to the same program both ways (the same collectives,
 fusions within one), so their ratio is that per-call work plus noise. The collectives columns
 ("op/N xk": k instructions over groups of N devices) show where the programs differ: at ZeRO
-stages 2 and 3
-fleetjax reduce-scatters each weight's gradient (`shard_map` + `psum_scatter`) where XLA
-compiles the hand-written GSPMD step to an all-reduce of every gradient and a slice, so
-fleetjax is faster there. Its `all-reduce/1` is a psum over the size-1 `dp` axis, a no-op.
+stage 2 fleetjax reduce-scatters each weight's gradient (`shard_map` + `psum_scatter`) where
+XLA compiles the hand-written GSPMD step to an all-reduce of every gradient and a slice, so
+fleetjax is faster there (its `all-reduce/1` is a psum over the size-1 `dp` axis, a no-op);
+at stage 3 the parameters' split is all fleetjax adds, and XLA's partitioner compiles both to
+the same collectives.
 """
     title = "Framework overhead: fleetjax vs hand-written jax.jit"
     return Result(title, rows, notes, _figure(rows), devices)
+
+
+def _span(values: list[float]) -> str:
+    """ "15" or "14-16": the range of `values`, rounded."""
+    low, high = f"{min(values):.0f}", f"{max(values):.0f}"
+    return low if low == high else f"{low}-{high}"
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@
     launch_worker.py raise         join the others with fleet.init(); worker 1 raises at once
                                    (after printing `raising at <time.time()>`), the others
                                    compute
+    launch_worker.py noisy_raise   worker 1 raises once all have started, and logs 30 lines
+                                   after its traceback (at exit, as a runtime's threads may);
+                                   the others wait
     launch_worker.py hang          worker 1 prints nothing more and sleeps; the others call
                                    fleetjax.launch.heartbeat() without printing
     launch_worker.py spawn         start a child (in the worker's process group) and a detached
@@ -27,6 +30,7 @@
 Every worker first prints `pid=<its pid>`, so a test can find (and clean up) each process.
 """
 
+import atexit
 import json
 import os
 import pathlib
@@ -117,6 +121,13 @@ def main(mode: str, args: list[str]) -> int:
             _wait_until_all_started()
             print("worker 1 fails", flush=True)
             return 3
+        time.sleep(600)
+        return 0
+    if mode == "noisy_raise":
+        if rank == 1:
+            _wait_until_all_started()
+            atexit.register(lambda: print("\n".join(f"after it {i}" for i in range(30))))
+            raise RuntimeError("worker 1 fails on purpose")
         time.sleep(600)
         return 0
     if mode == "fail0":

@@ -34,8 +34,9 @@ Devices:
 
 Faults (the first failure is named, with its code, whatever the others do afterwards):
   * A worker that exits with an error or is killed: the launcher prints the end of its log
-    (its traceback, unless the console showed it), then `<who> <what>; stopping all workers`
-    as its last line, stops the others (SIGTERM, then SIGKILL after 3 s, Paddle's wait) and exits
+    (20 lines, or back to its last traceback, whole; unless the console showed it), then
+    `<who> <what>; stopping all workers` as its last line, stops the others (SIGTERM, then
+    SIGKILL after 3 s, Paddle's wait) and exits
     with that worker's code (128 + signal number if it was killed). The script runs under
     fleetjax/_worker.py, which records how it ended before Python's exit handlers, so a
     `sys.exit(3)` while the others wait in a collective is named at once (JAX's shutdown

@@ -31,6 +31,8 @@ from fleetjax.launch import _guard
 
 GRACE_SECONDS = 3.0  # between SIGTERM and SIGKILL when stopping workers (Paddle's)
 LOG_TAIL_LINES = 20  # of a failed worker's log, shown on the console
+TRACEBACK_LINES = 200  # at most, to show a failed worker's whole last traceback
+_TRACEBACK = "Traceback (most recent call last)"
 HANG_EXIT_CODE = 124  # a worker or node that stopped answering (as timeout(1))
 # A worker's peers may see it killed (its connections closed) and fail before the launcher's
 # thread that waits for it wakes up: its death is dated this much earlier. JAX and Gloo end a
@@ -108,8 +110,14 @@ def exit_code(code: int) -> int:
 
 
 def tail(path: pathlib.Path | str, lines: int = LOG_TAIL_LINES) -> str:
+    """The last `lines` lines of the log at `path`, or more, back to the start of its last
+    Python traceback if that is within `TRACEBACK_LINES`: what a runtime's threads log after
+    the traceback (JAX's distributed client losing its peers) must not push its head out."""
     with contextlib.suppress(OSError):
-        return "\n".join(pathlib.Path(path).read_text(errors="replace").splitlines()[-lines:])
+        end = pathlib.Path(path).read_text(errors="replace").splitlines()[-TRACEBACK_LINES:]
+        starts = [i for i, line in enumerate(end) if line.startswith(_TRACEBACK)]
+        first = min(starts[-1], len(end) - lines) if starts else len(end) - lines
+        return "\n".join(end[max(first, 0) :])
     return ""
 
 

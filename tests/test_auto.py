@@ -441,6 +441,17 @@ def test_gpt_pipeline_layer_adds_pipeline_candidates(gpt):
     assert found.chosen.fits and found.chosen.device_bytes <= 250 * KiB
 
 
+def test_a_sequence_parallel_layout_trains_the_form_it_is_given():
+    plain, sequence_parallel = (lambda p, b: 0.0), (lambda p, b: 1.0)
+    layout = auto.Layout(4, mp=2, sequence_parallel=True)
+    assert layout.loss(plain, sequence_parallel) is sequence_parallel
+    assert auto.Layout(4, mp=2).loss(plain, sequence_parallel) is plain
+    assert str(layout) == "dp=4 mp=2 sequence-parallel"
+    with pytest.raises(ValueError, match=r"pass the model's sequence-parallel form as auto"):
+        layout.loss(plain)
+
+
+@pytest.mark.slow  # 20 s: a search and 3 steps trained; the Layout test above runs by default
 def test_layouts_with_mp_train_the_sequence_parallel_form_where_there_is_one(gpt):
     """With the model's sequence-parallel form, a layout with mp > 1 trains it (the report says
     so) and trains like one device (tests/test_sequence_axes.py checks its collectives); without

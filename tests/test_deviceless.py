@@ -107,6 +107,9 @@ def case(name, strategy, collectives, hosts=1, state_bytes=None, marks=()):
 P_BYTES = sum(x.size * 4 for x in jax.tree.leaves(PARAMS))
 
 
+# A family's second form (VPP beside 1F1B, float16 beside bfloat16, merging across calls
+# beside in-step) compiles under -m slow: the default suite's 15 minutes.
+SLOW = pytest.mark.slow
 CASES = [
     case("dp", DS(), {"all-reduce"}),
     case("zero1", zero(1), {"all-gather", "all-reduce"}, state_bytes=P_BYTES * (1 + 2 / 8)),
@@ -115,11 +118,11 @@ CASES = [
     case("zero2_offload", zero(2, optimize_offload=True), {"all-gather", "reduce-scatter"}),
     case("mp", DS(tensor_parallel=True, hybrid_configs={"mp_degree": 8}), {"all-reduce"}),
     case("dp_pp_mp_1f1b", pipeline("1F1B"), {"all-reduce", "collective-permute"}),
-    case("dp_pp_mp_vpp", pipeline("VPP"), {"all-reduce", "collective-permute"}),
+    case("dp_pp_mp_vpp", pipeline("VPP"), {"all-reduce", "collective-permute"}, marks=SLOW),
     case("amp_o1_bf16", amp("bfloat16"), {"all-reduce"}),
     case("amp_o2_bf16", amp("bfloat16", pure=True), {"all-reduce"}),
-    case("amp_o1_fp16", amp("float16"), {"all-reduce"}),
-    case("amp_o2_fp16", amp("float16", pure=True), {"all-reduce"}),
+    case("amp_o1_fp16", amp("float16"), {"all-reduce"}, marks=SLOW),
+    case("amp_o2_fp16", amp("float16", pure=True), {"all-reduce"}, marks=SLOW),
     case("recompute", recompute(), {"all-reduce"}),
     case(
         "recompute_offload",
@@ -127,7 +130,7 @@ CASES = [
         {"all-reduce"},
     ),
     case("merge_in_step", merge("in_step"), {"all-reduce"}),
-    case("merge_across_calls", merge("across_calls"), {"all-reduce"}),
+    case("merge_across_calls", merge("across_calls"), {"all-reduce"}, marks=SLOW),
     case("dgc", DS(dgc=True), {"all-gather", "all-reduce"}),
     case("localsgd", DS(localsgd=True, localsgd_configs={"k_steps": 2}), {"all-reduce"}),
     case(

@@ -59,8 +59,13 @@ MEGATRON_SPLIT = {"1.3B": (1, 1), "6.7B": (4, 1), "13B": (8, 1), "175B": (8, 8)}
 # (model, GPUs, tensor, pipeline, chunks per stage): Megatron-LM's other published 175B
 # layouts (tp 8 x pp 16, the interleaved schedule) and Megatron-Core's GPT-3 175B on H100.
 MEGATRON_CORE = ("175B", 512, 4, 8, 1)
-PUBLISHED = (("175B", 1024, 8, 8, 1), ("175B", 1024, 8, 16, 1), ("175B", 1024, 8, 8, 2))
-PUBLISHED += (MEGATRON_CORE,)
+PUBLISHED = (
+    ("175B", 1024, 8, 8, 1),
+    ("175B", 1024, 8, 16, 1),
+    ("175B", 1024, 8, 8, 2),
+    MEGATRON_CORE,
+)
+Cell = tuple[str, int, int, int, int]  # (model, GPUs, tensor, pipeline, chunks per stage)
 # Where auto searches in a full run: each model on the GPU count of its Megatron-LM run's
 # scale (a search compiles tens of candidates; every cell would take hours on 2 cores).
 AUTO_CELLS = (("1.3B", 8), ("6.7B", 64), ("13B", 512), ("175B", 512), ("175B", 1024))
@@ -191,7 +196,7 @@ def _same(tree: Any) -> Any:
     return tree
 
 
-def megatron_layouts(quick: bool) -> list[tuple[str, int, int, int, int]]:
+def megatron_layouts(quick: bool) -> list[Cell]:
     """(model, GPUs, tensor, pipeline, chunks per stage) of the Megatron rows: the published
     175B layouts; in a full run also each model's split on every GPU count it fits."""
     if quick:
@@ -226,13 +231,10 @@ def megatron_row(name: str, gpus: int, tp: int, pp: int, vpp: int = 1) -> dict[s
     strategy = layout.strategy(bf16(), MODELS[name][3])
     mesh = targets.mesh("h100", gpus, sharding=dp, pp=pp, mp=tp)
     specs = fns.partition_specs(mesh=mesh)
+    loss = fns.loss_fn
     if pp > 1:
-        loss, params, specs = (
-            layout.loss(fns.pipeline_layer()),
-            *map(fns.pipeline_params, (params, specs)),
-        )
-    else:
-        loss = fns.loss_fn
+        loss = layout.loss(fns.pipeline_layer())
+        params, specs = fns.pipeline_params(params), fns.pipeline_params(specs)
     step = fleetjax.make_train_step(loss, optax.adam(1e-4), strategy, mesh, param_specs=specs)
     parts = [f"dp={dp}" + (" (ZeRO-1)" if dp > 1 else ""), f"mp={tp}"]
     parts += [f"pp={pp} VPP (V={vpp})" if vpp > 1 else f"pp={pp} 1F1B"] if pp > 1 else []
@@ -323,22 +325,22 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _rows_of(rows: list[dict[str, Any]], name: str, by: str) -> list[dict[str, Any]]:
-    """`name`'s compiled rows by `by`; Megatron-LM's those of its split (`MEGATRON_SPLIT`)."""
-    tp, pp = MEGATRON_SPLIT[name]
-    split = {f"mp={tp}"} | ({f"pp={pp}"} if pp > 1 else set())
-    mine = [r for r in rows if r["model"] == name and r["by"] == by and "HBM GiB" in r]
-    if by == "auto":
-        return mine
-    return [r for r in mine if split <= set(r["layout"].split()) and "VPP" not in r["layout"]]
+def _splits(hands: dict[Cell, dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    """The compiled rows of `name`'s Megatron-LM split (`MEGATRON_SPLIT`), in GPU order (as
+    `megatron_layouts` lists them)."""
+    split = (*MEGATRON_SPLIT[name], 1)  # tensor, pipeline, chunks per stage
+    return [r for c, r in hands.items() if c[0] == name and c[2:] == split and "HBM GiB" in r]
 
 
-def _figure(rows: list[dict[str, Any]]) -> Figure:
+def _figure(rows: list[dict[str, Any]], hands: dict[Cell, dict[str, Any]]) -> Figure:
     fig = Figure(figsize=(10, 3.8))
     memory, mfu = fig.subplots(1, 2)
     for color, name in zip(("C0", "C1", "C2", "C3"), MODELS, strict=True):
-        for by, style in (("auto", "o"), ("Megatron-LM", "x--")):
-            mine = sorted(_rows_of(rows, name, by), key=lambda r: r["GPUs"])
+        searched = [r for r in rows if r["model"] == name and r["by"] == "auto" and "HBM GiB" in r]
+        for by, style, mine in (
+            ("auto", "o", searched),
+            ("Megatron-LM", "x--", _splits(hands, name)),
+        ):
             if mine:
                 gpus = [r["GPUs"] for r in mine]
                 label = f"GPT {name}, {by}"
@@ -368,20 +370,16 @@ def run(quick: bool = False) -> Result:
     cases = [("1.3B", 8), ("175B", 1024)] if quick else AUTO_CELLS
     start = time.perf_counter()
     rows = [auto_row(name, gpus) for name, gpus in cases]
-    rows += [megatron_row(*layout) for layout in megatron_layouts(quick)]
+    hands = {cell: megatron_row(*cell) for cell in megatron_layouts(quick)}
+    rows += hands.values()
     zero, pipe = zero_rows(), pipeline_rows(quick)
     notes = NOTES.format(
         seconds=time.perf_counter() - start,
         zero=markdown(zero),
         pipeline=markdown(pipe),
-        **_figures(rows, zero, pipe),
+        **_figures(rows, hands, zero, pipe),
     )
-    return Result(title, rows, notes, _figure(rows))
-
-
-def _published(row: dict) -> bool:
-    """Whether `row` is one of the published 175B layouts (`PUBLISHED`)."""
-    return row["model"] == "175B" and (row["GPUs"] == 1024 or row["by"] == "Megatron-Core")
+    return Result(title, rows, notes, _figure(rows, hands))
 
 
 def _slowest(rows: list[dict]) -> str:
@@ -395,18 +393,22 @@ def _slowest(rows: list[dict]) -> str:
     )
 
 
-def _figures(rows: list[dict], zero: list[dict], pipe: list[dict]) -> dict[str, str]:
+def _figures(
+    rows: list[dict], hands: dict[Cell, dict], zero: list[dict], pipe: list[dict]
+) -> dict[str, str]:
     """The numbers the notes quote."""
     fitted = [r for r in rows if "est. MFU" in r and r["by"] == "auto"]
     big = next((r for r in fitted if (r["model"], r["GPUs"]) == ("175B", 1024)), {})
-    hands = [r for r in rows if r["by"] != "auto" and "HBM GiB" in r]
-    megatron = [r for r in hands if _published(r)]
+    megatron = [r for cell, r in hands.items() if cell in PUBLISHED and "HBM GiB" in r]
+    compiled = [r for r in hands.values() if "HBM GiB" in r]
     same_gpus = [r for r in megatron if r["GPUs"] == big.get("GPUs")]
-    ratios = [float(v.split("(")[1][:-1]) for r in hands for k, v in r.items() if "x formula" in k]
+    ratios = [
+        float(v.split("(")[1][:-1]) for r in compiled for k, v in r.items() if "x formula" in k
+    ]
     cells = [
         f"{r['model']} on {r['GPUs']}: {r['est. step s']:.2f} s vs {m['est. step s']:.2f} s"
         for r in fitted
-        for m in _rows_of(rows, r["model"], "Megatron-LM")
+        for m in _splits(hands, r["model"])
         if m["GPUs"] == r["GPUs"]
     ]
     hand = min(same_gpus, key=lambda r: r["est. step s"], default={})
@@ -424,9 +426,9 @@ def _figures(rows: list[dict], zero: list[dict], pipe: list[dict]) -> dict[str, 
         "megatron_plain": ", ".join(f"{100 * r['plain-model MFU']:.0f}%" for r in megatron),
         "formula_mfu": ", ".join(f"{100 * r['formula MFU']:.0f}%" for r in megatron),
         "slowest": _slowest(rows),
-        "hands": str(len(hands)),
-        "hand_hbm_low": f"{min((r['HBM / formula'] for r in hands), default=math.nan):.2f}",
-        "hand_hbm_high": f"{max((r['HBM / formula'] for r in hands), default=math.nan):.2f}",
+        "hands": str(len(compiled)),
+        "hand_hbm_low": f"{min((r['HBM / formula'] for r in compiled), default=math.nan):.2f}",
+        "hand_hbm_high": f"{max((r['HBM / formula'] for r in compiled), default=math.nan):.2f}",
         "axis_low": f"{min(ratios, default=math.nan):.2f}",
         "axis_high": f"{max(ratios, default=math.nan):.2f}",
         "auto_vs_hand": "; ".join(cells) or "-",

@@ -188,12 +188,18 @@ def test_bubble_of_each_schedule_at_measured_costs(target):
 
 # The CPU compile under -m slow (the suite's time): the H100 one is what the claim is about.
 @pytest.mark.parametrize("target", [pytest.param("cpu", marks=pytest.mark.slow), "h100"])
-def test_zbh1_peak_memory_is_1f1b_s_and_the_w_carry(target):
-    """ZBH1 holds as many micro-batches' residuals as 1F1B (2P - 1) whatever m is; on top it
-    keeps, for the Ws held back, what each W reads of its B's work (each matmul's output
-    gradient): measured, within 1.15x of 1F1B's peak, and not growing with m."""
+def test_zbh1_peak_memory_is_1f1b_s(target):
+    """ZBH1 holds as many micro-batches' residuals as 1F1B (2P - 1) whatever m is, and B keeps
+    what its W reads of B's work (here the pre-activation's gradient) in the residual that
+    only B reads, dead once B has run: on H100s the peak is 1F1B's (measured 0.985x; 1.09x
+    with a buffer of its own), as Qi et al. claim. XLA:CPU copies one residual buffer in each
+    loop that runs B, which XLA:GPU does not: 1.21x there (1.15x with a buffer of its own).
+    Neither grows with m."""
     mesh = None if target == "cpu" else targets.mesh("h100", 4, pp=4)
     one = temp_bytes("1F1B", 8, mesh=mesh)
     zb = {m: temp_bytes("ZBH1", m, mesh=mesh) for m in (8, 16)}
     assert zb[16] == zb[8]
-    assert one < zb[8] <= 1.15 * one
+    if target == "h100":
+        assert 0.97 * one <= zb[8] <= 1.02 * one, zb[8] / one
+    else:
+        assert zb[8] <= 1.25 * one, zb[8] / one

@@ -14,7 +14,8 @@ stack of a whole chunk's gradients is ever materialised (Megatron-LM fuses its w
 accumulation likewise). Under a zero-bubble schedule it runs in two halves
 (`_split.SplitBackward`): `backward_input` (B, the reverse scan for the input's gradient, which
 also stacks each layer's carry) and `backward_weight` (W, each layer's weight gradients from its
-residuals and carry, added into the accumulator).
+residuals and carry, added into the accumulator); `carry_homes` says which residuals, dead once
+B has run, can keep the carry.
 """
 
 from __future__ import annotations
@@ -92,6 +93,25 @@ class Chunk:
             w, s, x = self._example
             self._split = SplitBackward(self._layer_grads, (w, s, self.shapes), x)
         return self._split
+
+    def carry_homes(self) -> list[int | None]:
+        """Per leaf of the split backward's carry, the residual B overwrites with it: one that W
+        does not read (dead once B has run) of its shape and dtype; None where there is none
+        (the carry buffer keeps it). Where B frees enough, W's carry costs nothing beyond the
+        residuals, as Qi et al.'s ZB-H1 keeps 1F1B's peak."""
+        split = self.split()
+        first = len(split.read_by_weight) - len(self.shapes)  # the residuals follow w and s
+        free = [j for j in range(len(self.shapes)) if not split.read_by_weight[first + j]]
+        homes: list[int | None] = []
+        for carried in split.carry_shapes:
+            like = (carried.shape, carried.dtype)
+            home = next(
+                (j for j in free if (self.shapes[j].shape, self.shapes[j].dtype) == like), None
+            )
+            if home is not None:
+                free.remove(home)
+            homes.append(home)
+        return homes
 
     def backward(
         self,

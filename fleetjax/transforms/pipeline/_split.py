@@ -135,13 +135,17 @@ class SplitBackward:
         self._b = [e for i, e in enumerate(self._eqns) if i in b]
         self._w = [e for i, e in enumerate(self._eqns) if i in w]
         made_by_b = {k for e in self._b for k in e.outs if k is not None} | cotangent_keys
-        read_by_w = [k for e in self._w for k in e.ins] + list(self._weight_outs)
-        self._carry = list(
-            dict.fromkeys(k for k in read_by_w if not isinstance(k, Literal) and k in made_by_b)
-        )
+        read_by_w = [
+            k
+            for k in [*(k for e in self._w for k in e.ins), *self._weight_outs]
+            if not isinstance(k, Literal)
+        ]
+        self._carry = list(dict.fromkeys(k for k in read_by_w if k in made_by_b))
         self.carry_shapes = [
             jax.ShapeDtypeStruct(k[1].aval.shape, k[1].aval.dtype) for k in self._carry
         ]
+        # Per leaf of `inputs`: whether W reads it (else only B does: dead once B has run).
+        self.read_by_weight = [k in set(read_by_w) for k in self._inputs]
 
     def input_grad(self, inputs: Any, cotangents: Any) -> tuple[Any, list[jax.Array]]:
         """B: the input gradients, and the carry (a list) that `weight_grad` needs."""

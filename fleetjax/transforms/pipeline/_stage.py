@@ -71,7 +71,8 @@ class Carry(NamedTuple):
     # The sums of the new floating model states and the last of the others: a PipelineParams,
     # the layers' [chunks, layers per chunk, ...].
     states: PipelineParams
-    # Split backward: [carry slots, layers per chunk, ...] what each B made for its W (else ()).
+    # Split backward: [carry slots, layers per chunk, ...] what each B made for its W and kept
+    # in no residual slot (`Chunk.carry_homes`); else ().
     carries: Any = ()
 
 
@@ -138,8 +139,13 @@ class Stage:
         self.split = schedule.split_backward
         self.residual_specs = kept_specs(layout, shapes.activations, self.chunk.shapes)
         if self.split:
-            carried = self.chunk.split().carry_shapes
-            self.carry_specs = kept_specs(layout, shapes.activations, carried)
+            self.homes = self.chunk.carry_homes()
+            self.carried = [
+                c
+                for c, home in zip(self.chunk.split().carry_shapes, self.homes, strict=True)
+                if home is None
+            ]
+            self.carry_specs = kept_specs(layout, shapes.activations, self.carried)
 
     def _whole(self, part: str, tree: Any) -> Any:
         """`tree`, parameters of `part` ("embed", "layers" or "head") as this device holds
@@ -172,8 +178,8 @@ class Stage:
         residuals = zeros(self.chunk.shapes, table.residual_slots, self.size)
         carries = ()
         if self.split:
-            carried = self.chunk.split().carry_shapes
-            carries = laid_out(zeros(carried, table.carry_slots, self.size), self.carry_specs)
+            carried = zeros(self.carried, table.carry_slots, self.size)
+            carries = laid_out(carried, self.carry_specs)
         return Carry(
             laid_out(residuals, self.residual_specs),
             zeros(activations, table.activation_slots),
@@ -284,8 +290,7 @@ class Stage:
         dy = take(carry.cotangents, row[B_COT])
         if self.split:
             dx, made = self.chunk.backward_input(w, s, kept, dy, running)
-            made = whole_where_split(made, self.carry_specs)
-            carry = carry._replace(carries=put_where(carry.carries, row[B_CARRY], running, made))
+            carry = self._keep_carry(carry, row, running, made, kept)
         else:
             g_layers, dx = self.chunk.backward(w, s, kept, dy, carry.g_layers, chunk, running)
             carry = carry._replace(g_layers=g_layers)
@@ -310,6 +315,28 @@ class Stage:
         no_grad = lambda *_: zeros(self.ran.embed)  # noqa: E731
         return lax.cond(is_first & running, embed_grad, no_grad, dx, batch)
 
+    def _keep_carry(
+        self,
+        carry: Carry,
+        row: jax.Array,
+        running: jax.Array,
+        made: list[jax.Array],
+        kept: list[jax.Array],
+    ) -> Carry:
+        """`carry` with what B `made` for its W kept: each value in B's residual slot, in a
+        residual that W does not read and it fits (`Chunk.carry_homes`; where B did not run,
+        the slot keeps what B read of it, `kept`), the others in the carry buffer."""
+        residuals = list(carry.residuals)
+        for value, home in zip(made, self.homes, strict=True):
+            if home is not None:
+                value = whole_where_split([value], [self.residual_specs[home]])[0]
+                chosen = jnp.where(running, value, kept[home])
+                residuals[home] = put(residuals[home], row[B_RES], chosen)
+        rest = [m for m, home in zip(made, self.homes, strict=True) if home is None]
+        rest = whole_where_split(rest, self.carry_specs)
+        carries = put_where(carry.carries, row[B_CARRY], running, rest)
+        return carry._replace(residuals=residuals, carries=carries)
+
     def weight(self, carry: Carry, row: jax.Array) -> Carry:
         """The weight-gradient part of a tick under a split backward, if the row has one:
         chunk ``row[W_CHUNK]``'s parameter gradients for micro-batch ``row[W_MICRO]``, from
@@ -317,7 +344,8 @@ class Stage:
         chunk, running = row[W_CHUNK], row[W_MICRO] >= 0
         w, s = self._chunk(chunk)
         kept = whole_where_split(take(carry.residuals, row[W_RES]), self.residual_specs)
-        made = whole_where_split(take(carry.carries, row[W_CARRY]), self.carry_specs)
+        rest = iter(whole_where_split(take(carry.carries, row[W_CARRY]), self.carry_specs))
+        made = [next(rest) if home is None else kept[home] for home in self.homes]
         grads = self.chunk.backward_weight(w, s, kept, made, carry.g_layers, chunk, running)
         return carry._replace(g_layers=grads)
 

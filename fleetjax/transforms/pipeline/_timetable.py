@@ -5,8 +5,9 @@ program also needs to know where the values it keeps across ticks live. Each sta
 buffers of slots, all the same size on every stage (one SPMD program): the `jax.vjp` residuals
 of forwards whose backward has not run, the activations received and not yet consumed, and the
 cotangents received (or made by the head) and not yet consumed. Under a split backward (the
-zero-bubble schedules) a forward's residuals are kept until its W has run, and a fourth buffer
-keeps what each B made for its W (`_split.SplitBackward`'s carry). `timetable` assigns the
+zero-bubble schedules) a forward's residuals are kept until its W has run, with what its B made
+for its W (`_split.SplitBackward`'s carry) in residuals only B reads, where they fit
+(`_chunk.Chunk.carry_homes`), and in a fourth buffer where they do not. `timetable` assigns the
 slots once, in numpy, so that the program only indexes.
 """
 

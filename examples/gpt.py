@@ -7,8 +7,9 @@ gelu -> `RowParallelLinear`); a final LayerNorm, a vocabulary-parallel output pr
 `ParallelCrossEntropy`. Each block costs two all-reduces over ``mp`` in the forward pass; with
 `GPTConfig.sequence_parallel` (Megatron's sequence parallelism, Paddle's sequence-parallel
 linears) each is a reduce-scatter and an all-gather instead. Attention is
-`fleetjax.layers.attention` (`jax.nn.dot_product_attention` where the sequence is whole): over a
-mesh with ``sep`` or ``cp`` axes the sequence is split and attention exchanges heads (``sep``)
+`fleetjax.layers.attention` (where the sequence is whole, XLA's attention keeping its bf16
+probabilities alone for the backward pass, as Megatron's fused softmax): over a mesh with
+``sep`` or ``cp`` axes the sequence is split and attention exchanges heads (``sep``)
 or runs as a ring (``cp``); under ``cp`` the model keeps its tokens in the ring's load-balanced
 order (`fleetjax.layers.to_load_balanced`).
 
@@ -95,8 +96,10 @@ class GPTConfig:
         need a PRNG key: `make_train_step(..., has_rng=True)`.
       sequence_parallel: Megatron's sequence parallelism over mp (Paddle GPT's): the
         sequence-parallel linears, and the residual stream split along the sequence over mp.
-      attention_implementation: `jax.nn.dot_product_attention`'s ``implementation``: None
-        (JAX picks: XLA's attention, on every backend), ``"xla"`` or ``"cudnn"`` (cuDNN's fused
+      attention_implementation: `fleetjax.layers.attention`'s ``implementation``: None
+        (XLA's attention on every backend, keeping only its probabilities, in bf16 under AMP,
+        for the backward pass, as Megatron's fused softmax), or `jax.nn.dot_product_attention`'s
+        ``"xla"`` (whose autodiff also keeps the float32 scores) or ``"cudnn"`` (cuDNN's fused
         flash attention on NVIDIA GPUs, which keeps no [heads, T, T] scores; it takes bf16 or
         fp16 only, so float32 q, k and v are cast to bfloat16 for it, and it needs the cuDNN
         library even to compile: ``pip install 'fleetjax[aot-cudnn]'`` without a GPU). Under

@@ -4,7 +4,8 @@ split over them by context parallelism (`cp_degree`: a ring, its scores a tile o
 time), alone or with segment parallelism (`sep_degree`: all-to-all around attention), it does.
 `fleetjax.explain` shows each (nothing runs: the steps are compiled for H100s that are not
 there, from shapes alone). Segment parallelism alone does not fit either: after its all-to-all
-each device attends whole sequences, with XLA's attention, for heads / sep heads.
+each device attends whole sequences for heads / sep heads, and attention over a whole sequence
+keeps its bf16 probabilities (32 heads x 32k x 32k x 2 bytes: 64 GiB a sequence).
 
     python examples/long_sequence.py
 
@@ -29,10 +30,10 @@ from fleetjax.plan import mesh_for, read_plan
 CONFIG = GPTConfig(
     vocab_size=32768,
     max_position_embeddings=32768,
-    hidden_size=3072,
-    num_attention_heads=24,
+    hidden_size=4096,
+    num_attention_heads=32,  # of 128, as LLaMA-7B's
     num_hidden_layers=4,
-    intermediate_size=12288,
+    intermediate_size=16384,
 )
 ROWS = 8  # sequences of 32k tokens per step
 LAYOUTS = {

@@ -289,4 +289,4 @@ def test_long_sequence_example_fits_with_cp_where_the_batch_split_does_not():
     }
     over = {name for name, g in gpu.items() if g.peak_bytes > g.hbm_bytes}
     assert over == {"batch over sharding", "sequence over sep"}
-    assert gpu["sequence over cp"].peak_bytes < 0.7 * gpu["batch over sharding"].peak_bytes
+    assert gpu["sequence over cp"].peak_bytes < 0.9 * gpu["batch over sharding"].peak_bytes

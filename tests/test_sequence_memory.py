@@ -6,9 +6,8 @@ Method: the example GPT (bf16 AMP O2, SGD) compiled with two and with four layer
 difference of XLA's temporaries (`fleetjax.explain(...).temp`) is what one more layer keeps
 for its backward pass (its activations, plus its gradient buffers: a few percent here), and
 half the difference of the collectives is what one more layer sends. (Not one layer against
-two: XLA compiles a scan of one layer without its loop, and schedules it differently; only the
-sep and cp measurement, where attention's scores are most of a layer, compares one with two.)
-Nothing runs.
+two: XLA compiles a scan of one layer without its loop, and schedules it differently.) Nothing
+runs.
 """
 
 import dataclasses
@@ -61,25 +60,19 @@ def explain(
 
 
 def per_layer(
-    config: GPTConfig,
-    hybrid: dict,
-    rows: int,
-    gpus: int,
-    checkpoints: tuple[str, ...] = (),
-    layers: tuple[int, int] = (2, 4),
+    config: GPTConfig, hybrid: dict, rows: int, gpus: int, checkpoints: tuple[str, ...] = ()
 ) -> tuple[int, dict]:
-    """One layer's temporaries (bytes) and its collectives' bytes by (op, mesh axes), from the
-    step compiled with each number of `layers`."""
+    """One layer's temporaries (bytes) and its collectives' bytes by (op, mesh axes): half the
+    difference between the step compiled with two layers and with four."""
     fewer, more = (
         explain(dataclasses.replace(config, num_hidden_layers=n), hybrid, rows, gpus, checkpoints)
-        for n in layers
+        for n in (2, 4)
     )
-    added = layers[1] - layers[0]
     sent = {}
     for sign, report in ((-1, fewer), (1, more)):
         for c in report.collectives:
             sent[c.op, c.axes] = sent.get((c.op, c.axes), 0) + sign * c.bytes
-    return (more.temp - fewer.temp) // added, {k: v // added for k, v in sent.items() if v}
+    return (more.temp - fewer.temp) // 2, {k: v // 2 for k, v in sent.items() if v}
 
 
 # Korthikanti et al. 2022's sizes: sequence s, micro-batch b, hidden h, heads a.
@@ -96,16 +89,18 @@ def korthikanti(t: int, sequence_parallel: bool) -> float:
 def test_sequence_parallel_divides_the_layers_activations_by_mp():
     """Per layer, on t = 2, 4, 8 compile-only H100s (mp = t), with and without sequence
     parallelism (with `mp_configs.recompute_allgather`: a column layer keeps its input split,
-    as Korthikanti's 34 / t assumes). Under sequence parallelism a layer keeps 1/t of what it
-    keeps on one device (bytes x t the same for every t); without it, LayerNorm's and the
-    residual's part stays whole. Each all-reduce over mp is a reduce-scatter plus an
-    all-gather of the same bytes (and the backward's gathers again the kept inputs).
+    as Korthikanti's 34 / t assumes), no recompute.
 
-    Without recompute the example GPT keeps 1.7x to 1.8x Korthikanti's bytes either way (XLA's
-    attention keeps float32 scores and their exponentials, about 10 bytes an element where
-    Korthikanti counts 5), so this checks what the formula predicts of sequence parallelism:
-    the ratio with to without it, within 1.25x. The absolute bytes are checked where the
-    model keeps Megatron's tensors (the next test)."""
+    Under sequence parallelism a layer keeps Korthikanti's s b h (34 / t + 5 a s / (h t))
+    within 1.25x (measured 0.86x to 0.88x: attention keeps its bf16 probabilities, 2 bytes a
+    score, where Megatron's also keeps its dropout's mask and output, 5; the rest is 2x
+    Korthikanti's 34, mostly LayerNorm's float32 residuals), and 1/t of what it keeps on one
+    device (bytes x t within 2% for every t). Without it LayerNorm's and the residual's part
+    stays whole: bytes x t grow with t, and the layer is within 1.35x of s b h (10 + 24 / t +
+    5 a s / (h t)) (measured 0.93x to 1.29x: the whole part is 22 s b h where Korthikanti
+    counts 10, LayerNorm's float32 residuals again). Each all-reduce over mp is a
+    reduce-scatter plus an all-gather of the same bytes (and the backward gathers again the
+    kept inputs)."""
     mp_configs = {"recompute_allgather": True}
     measured = {}
     for t in (2, 4, 8):
@@ -115,8 +110,8 @@ def test_sequence_parallel_divides_the_layers_activations_by_mp():
             measured[t, sp] = per_layer(config, hybrid, B, t)
     for t in (2, 4, 8):
         (whole, tp), (split, sp) = measured[t, False], measured[t, True]
-        predicted = korthikanti(t, True) / korthikanti(t, False)
-        assert 0.8 <= (split / whole) / predicted <= 1.25, (t, split / whole, predicted)
+        assert 0.8 <= split / korthikanti(t, True) <= 1.25, (t, split / korthikanti(t, True))
+        assert 0.8 <= whole / korthikanti(t, False) <= 1.35, (t, whole / korthikanti(t, False))
         # Bytes sent over mp per layer: Megatron's all-reduces (2 forward, 2 backward) ...
         rows = S * B * H * 2  # a bf16 [b, s, h]
         assert tp == {("all-reduce", ("mp",)): 4 * rows}, tp
@@ -128,7 +123,7 @@ def test_sequence_parallel_divides_the_layers_activations_by_mp():
         assert sp[("all-gather", ("mp",))] == (4 + 2) * rows, sp
         assert sp[("all-reduce", ("mp",))] == 6 * H * 2, sp
     divided = [measured[t, True][0] * t for t in (2, 4, 8)]
-    assert max(divided) <= 1.25 * min(divided), divided
+    assert max(divided) <= 1.05 * min(divided), divided
     whole = [measured[t, False][0] * t for t in (2, 4, 8)]
     assert whole[-1] > 1.25 * whole[0], whole  # the part outside the matmuls stays whole
 
@@ -165,20 +160,18 @@ def test_sep_and_cp_divide_attentions_memory_by_their_degree(axis):
     """The example GPT at 8192 tokens on 64 compile-only H100s, dp x mp 4 x `axis` at degree
     1, 2 and 4 (dp = 16 / degree, a sequence per data replica), a layer's temporaries.
 
-    Attention's scores ([heads / mp, s, s] per sequence: 11 bytes an element, about 2/3 of the
-    layer at one device per sequence) dominate. Under `sep` each device attends the whole
-    sequence for heads / (mp sep) heads: the layer falls as 1/sep. Under `cp` the ring keeps
-    no scores at all (each block's are recomputed in the backward pass): from cp = 1 (XLA's
-    attention) to 2 the layer falls by more than 1/2, from 2 to 4 by 1/2 (each device keeps
-    1/cp of the sequence)."""
+    Attention's probabilities ([heads / mp, s, s] per sequence, bf16: 2/3 of the layer at one
+    device per sequence) dominate. Under `sep` each device attends the whole sequence for
+    heads / (mp sep) heads: the layer falls as 1/sep (measured x degree: 1.01, 1.03). Under
+    `cp` the ring keeps no scores at all (each block's are recomputed in the backward pass):
+    from cp = 1 (whole-sequence attention) to 2 the layer falls by more than 1/2 (to 0.17),
+    from 2 to 4 by 1/2 (each device keeps 1/cp of the sequence; measured x 2: 1.06)."""
     sizes = {}
     for degree in (1, 2, 4):
         hybrid = {"dp_degree": 16 // degree, "mp_degree": 4, f"{axis}_degree": degree}
         if axis == "cp":  # Paddle carves the cp group out of the sharding group
             hybrid["sharding_degree"] = degree
-        # One layer against two: here attention's scores are most of a layer, and with two
-        # against four XLA schedules sep=2's peak elsewhere (its layer measured 0.66 of sep=1's)
-        sizes[degree] = per_layer(LONG, hybrid, 16 // degree, 64, layers=(1, 2))[0]
+        sizes[degree] = per_layer(LONG, hybrid, 16 // degree, 64)[0]
     if axis == "sep":
         for degree in (2, 4):
             assert 0.8 <= sizes[degree] / sizes[1] * degree <= 1.25, sizes

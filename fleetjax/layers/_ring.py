@@ -31,15 +31,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from fleetjax.layers import _tiles
 from fleetjax.layers.partitioning import free_axes
 
 AXIS = "cp"
 _DIAGONAL, _EARLIER, _LATER, _FULL = range(4)  # what a step computes (see `_kind`)
 _F32 = jnp.float32
-# Queries per tile: a step's scores are [batch, heads, tile, keys] (as flash attention tiles
-# them), not [batch, heads, queries, keys], which for 8 rows of 4k tokens and 24 heads would be
-# 12 GiB in float32, and three of them in the backward pass.
-QUERY_TILE = 512
 
 
 def ring_attention(
@@ -105,23 +102,6 @@ def _scores(q: jax.Array, k: jax.Array, mask: jax.Array | None) -> jax.Array:
     return s if mask is None else jnp.where(mask, s, -jnp.inf)
 
 
-def _tiles(n: int) -> int:
-    """How many query tiles `n` queries make: of `QUERY_TILE` each where they divide."""
-    return n // QUERY_TILE if n > QUERY_TILE and n % QUERY_TILE == 0 else 1
-
-
-def _tiled(x: jax.Array, tiles: int, axis: int) -> jax.Array:
-    """`x` with `axis` cut into `tiles` tiles, stacked on a new leading axis."""
-    shape = (*x.shape[:axis], tiles, x.shape[axis] // tiles, *x.shape[axis + 1 :])
-    return jnp.moveaxis(x.reshape(shape), axis, 0)
-
-
-def _untiled(x: jax.Array, axis: int) -> jax.Array:
-    """The inverse of `_tiled`."""
-    x = jnp.moveaxis(x, 0, axis)
-    return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2 :])
-
-
 def _block(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None) -> tuple:
     """A block's softmax-normalised output [b, q, h, d] and log-sum-exp [b, q, h], a tile of
     queries at a time."""
@@ -133,12 +113,12 @@ def _block(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None) -> 
         out = jnp.einsum("bhqk,bkhd->bqhd", jnp.exp(s - lse[..., None]), v.astype(_F32))
         return out, lse.transpose(0, 2, 1)
 
-    tiles = _tiles(q.shape[1])
+    tiles = _tiles.count(q.shape[1])
     if tiles == 1:
         return tile((q, mask))
-    masks = None if mask is None else _tiled(mask, tiles, 0)
-    out, lse = lax.map(tile, (_tiled(q, tiles, 1), masks))
-    return _untiled(out, 1), _untiled(lse, 1)
+    masks = None if mask is None else _tiles.tiled(mask, tiles, 0)
+    out, lse = lax.map(tile, (_tiles.tiled(q, tiles, 1), masks))
+    return _tiles.untiled(out, 1), _tiles.untiled(lse, 1)
 
 
 def _pieces(kind: int, q: jax.Array, k: jax.Array, mask: jax.Array) -> tuple:
@@ -254,14 +234,14 @@ def _block_grads(per_query: tuple, k: jax.Array, v: jax.Array, mask: jax.Array |
         return (sums[0] + dk, sums[1] + dv), dq
 
     zeros = (jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32))
-    tiles = _tiles(per_query[0].shape[1])
+    tiles = _tiles.count(per_query[0].shape[1])
     if tiles == 1:
         (dk, dv), dq = tile(zeros, (per_query, mask))
         return dq, dk, dv
-    tiled = [_tiled(x, tiles, 1) for x in per_query]
-    masks = None if mask is None else _tiled(mask, tiles, 0)
+    tiled = [_tiles.tiled(x, tiles, 1) for x in per_query]
+    masks = None if mask is None else _tiles.tiled(mask, tiles, 0)
     (dk, dv), dq = lax.scan(tile, zeros, (tiled, masks))
-    return _untiled(dq, 1), dk, dv
+    return _tiles.untiled(dq, 1), dk, dv
 
 
 def _attention_backward(causal: bool, residuals: tuple, do: jax.Array) -> tuple:

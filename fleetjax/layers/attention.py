@@ -5,8 +5,11 @@ Ulysses-style) and context parallelism (`cp_degree`, ring attention).
 head_dim]``, and communicates as the context mesh (`jax.set_mesh`, or a `shard_map` over other
 axes) asks:
 
-* no ``sep`` or ``cp`` axis: `jax.nn.dot_product_attention`, the heads split over ``mp`` as
-  they arrive (Megatron's attention needs no communication);
+* no ``sep`` or ``cp`` axis: XLA's attention as `jax.nn.dot_product_attention` computes it,
+  keeping only its probabilities (in the inputs' dtype) for the backward pass, as Megatron's
+  fused softmax does (`fleetjax.layers._dense`), or `jax.nn.dot_product_attention` itself
+  with an ``implementation``; the heads split over ``mp`` as they arrive (Megatron's
+  attention needs no communication);
 * ``sep``: the sequence arrives split over ``sep``; an all-to-all over ``sep`` trades it for a
   split of the heads (over ``mp`` x ``sep``), each device attends its heads over the whole
   sequence, and a second all-to-all trades back (DeepSpeed-Ulysses, Paddle's
@@ -33,7 +36,9 @@ import jax
 from jax.sharding import PartitionSpec
 
 from fleetjax.layers import _ring
+from fleetjax.layers._dense import dense_attention
 from fleetjax.layers.partitioning import LogicalNames, constrain, free_axes, logical_to_spec
+from fleetjax.layers.precision import traced_dtype
 
 __all__ = ["attention", "axis_ways", "to_load_balanced", "to_natural"]
 
@@ -91,8 +96,11 @@ def attention(
       is_causal: each position attends to itself and those before it only.
       load_balanced: under ``cp``, whether the sequence is already in `to_load_balanced`'s
         order (else it is reordered here, and the output back).
-      implementation: `jax.nn.dot_product_attention`'s, where no ``cp`` axis splits the
-        sequence (None: XLA's choice).
+      implementation: where no ``cp`` axis splits the sequence, None: XLA's attention
+        keeping its probabilities alone for the backward pass (2 bytes a score under bf16);
+        ``"xla"`` or ``"cudnn"``: `jax.nn.dot_product_attention`'s (its XLA path's autodiff
+        keeps float32 scores too, about 10 bytes a score; cuDNN's flash attention on NVIDIA
+        GPUs keeps none).
 
     Raises:
       ValueError: for shapes that differ, a length that the sequence axes do not divide
@@ -108,10 +116,14 @@ def attention(
     _check_length(q.shape[1], sep * cp * (2 if cp > 1 else 1))
     if sep > 1:
         _check_heads(q.shape[2], sep * axis_ways("mp"))
-    q, k, v = (constrain(x, HEADS) for x in (q, k, v))
+    # Custom-gradient functions run as traced under AMP: cast here as the policy casts matmuls.
+    half = traced_dtype("dot_general")
+    q, k, v = (constrain(x if half is None else x.astype(half), HEADS) for x in (q, k, v))
     if sep > 1:
         q, k, v = (constrain(x, ULYSSES) for x in (q, k, v))
-    if cp == 1:
+    if cp == 1 and implementation is None:
+        out = dense_attention(q, k, v, is_causal)
+    elif cp == 1:
         out = jax.nn.dot_product_attention(
             q, k, v, is_causal=is_causal, implementation=implementation
         )

@@ -10,7 +10,9 @@ table is in docs/amp.md). By default `dot_general` and `conv_general_dilated` ar
 black list is the primitives of Paddle's default black operators (exponentials, logarithms,
 reductions, powers, cumulative and hyperbolic functions), so softmax, layer norm and losses run
 in float32. Operations called through `jax.custom_jvp`/`custom_vjp` functions (such as
-`jax.nn.relu`) run at the dtypes they were written for.
+`jax.nn.relu`) run at the dtypes they were written for; a custom function written for mixed
+precision asks `fleetjax.layers.precision.traced_dtype` while it is traced and casts its
+inputs itself.
 
 Loss scaling, the other half of Paddle's AMP, is `fleetjax.transforms.loss_scale`.
 """
@@ -18,7 +20,9 @@ Loss scaling, the other half of Paddle's AMP, is `fleetjax.transforms.loss_scale
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -27,6 +31,8 @@ import jax.extend as jex
 import jax.numpy as jnp
 from jax import lax
 from jax.extend.core.primitives import remat_p
+
+from fleetjax.layers.precision import tracing
 
 PADDLE_OPS: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(
@@ -210,12 +216,28 @@ def policy(
     )
 
 
+# Whether the code being traced runs inside fp16_guard().
+_IN_GUARD: contextvars.ContextVar[bool] = contextvars.ContextVar("amp_guard", default=False)
+
+
 @contextlib.contextmanager
 def fp16_guard() -> Iterator[None]:
     """Mark the operations traced inside as the ones to run in half precision when the policy
     has `guard=True` (Paddle's `paddle.static.amp.fp16_guard`)."""
-    with jax.named_scope(GUARD_SCOPE):
-        yield
+    token = _IN_GUARD.set(True)
+    try:
+        with jax.named_scope(GUARD_SCOPE):
+            yield
+    finally:
+        _IN_GUARD.reset(token)
+
+
+def _dtype_for(policy: Policy, primitive: str) -> Any | None:
+    """The dtype `policy` runs `primitive` at on float32 inputs, where the code being traced
+    is (`fleetjax.layers.precision.traced_dtype`), or None where it keeps its inputs'."""
+    if (policy.guard and not _IN_GUARD.get()) or primitive in policy.black:
+        return None
+    return policy.dtype if primitive in policy.white or policy.level == "O2" else None
 
 
 # -- the interpreter ---------------------------------------------------------------------------
@@ -413,8 +435,9 @@ def autocast(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
 
     def wrapped(*args: Any) -> Any:
         flat, tree = jax.tree.flatten(args)
-        closed = jax.make_jaxpr(lambda *leaves: fn(*jax.tree.unflatten(tree, leaves)))(*flat)
-        out_tree = jax.tree.structure(jax.eval_shape(fn, *args))
+        with tracing(functools.partial(_dtype_for, policy)):
+            closed = jax.make_jaxpr(lambda *leaves: fn(*jax.tree.unflatten(tree, leaves)))(*flat)
+            out_tree = jax.tree.structure(jax.eval_shape(fn, *args))
         interpreter = _Interpreter(policy)
         outs = interpreter.run(closed.jaxpr, closed.consts, flat)
         if policy.guard and not interpreter.guard_seen:

@@ -145,7 +145,8 @@ class SplitBackward:
             jax.ShapeDtypeStruct(k[1].aval.shape, k[1].aval.dtype) for k in self._carry
         ]
         # Per leaf of `inputs`: whether W reads it (else only B does: dead once B has run).
-        self.read_by_weight = [k in set(read_by_w) for k in self._inputs]
+        read = set(read_by_w)
+        self.read_by_weight = [k in read for k in self._inputs]
 
     def input_grad(self, inputs: Any, cotangents: Any) -> tuple[Any, list[jax.Array]]:
         """B: the input gradients, and the carry (a list) that `weight_grad` needs."""

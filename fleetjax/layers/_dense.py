@@ -43,12 +43,11 @@ def _forward(
 
     def tile(one: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         index, q_tile = one
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q_tile, k, preferred_element_type=_F32)
-        scores = scores / math.sqrt(q.shape[-1])
-        if is_causal:
+        causal = None
+        if is_causal:  # every row keeps its diagonal: no row is all -inf
             rows = index * size + jnp.arange(size)
             causal = rows[:, None] >= jnp.arange(length)[None, :]
-            scores = jnp.where(causal, scores, jnp.finfo(_F32).min)
+        scores = _tiles.scores(q_tile, k, causal)
         probabilities = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         return jnp.einsum("bhqk,bkhd->bqhd", probabilities, v), probabilities
 

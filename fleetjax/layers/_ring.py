@@ -95,20 +95,13 @@ def _positions(n: int) -> jax.Array:
     )
 
 
-def _scores(q: jax.Array, k: jax.Array, mask: jax.Array | None) -> jax.Array:
-    """[batch, heads, queries, keys] float32 scores, -inf where `mask` is False."""
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=_F32)
-    s = s / math.sqrt(q.shape[-1])
-    return s if mask is None else jnp.where(mask, s, -jnp.inf)
-
-
 def _block(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None) -> tuple:
     """A block's softmax-normalised output [b, q, h, d] and log-sum-exp [b, q, h], a tile of
     queries at a time."""
 
     def tile(one: tuple) -> tuple:
         q, mask = one
-        s = _scores(q, k, mask)
+        s = _tiles.scores(q, k, mask)
         lse = jax.nn.logsumexp(s, axis=-1)
         out = jnp.einsum("bhqk,bkhd->bqhd", jnp.exp(s - lse[..., None]), v.astype(_F32))
         return out, lse.transpose(0, 2, 1)
@@ -225,7 +218,7 @@ def _block_grads(per_query: tuple, k: jax.Array, v: jax.Array, mask: jax.Array |
 
     def tile(sums: tuple, one: tuple) -> tuple:
         (q, do, lse, delta), mask = one
-        p = jnp.exp(_scores(q, k, mask) - lse.transpose(0, 2, 1)[..., None])
+        p = jnp.exp(_tiles.scores(q, k, mask) - lse.transpose(0, 2, 1)[..., None])
         dv = jnp.einsum("bhqk,bqhd->bkhd", p, do.astype(_F32))
         dp = jnp.einsum("bqhd,bkhd->bhqk", do, v, preferred_element_type=_F32)
         ds = p * (dp - delta.transpose(0, 2, 1)[..., None]) / math.sqrt(q.shape[-1])

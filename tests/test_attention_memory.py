@@ -90,3 +90,10 @@ def test_traced_dtype_follows_the_policy_only_while_autocast_traces():
         amp.autocast(probe, policy)(x)
         assert tuple(seen[k] for k in ("dot", "add", "exp", "guarded")) == expected, policy
     assert traced_dtype("dot_general") is None
+
+
+def test_an_unknown_implementation_is_named():
+    q = normal(0, (BATCH, LENGTH, HEADS, HEAD_DIM))
+    message = r"implementation must be one of \(None, 'xla', 'cudnn'\), got 'flash'"
+    with pytest.raises(ValueError, match=message):
+        attention(q, q, q, implementation="flash")

@@ -47,6 +47,8 @@ HEADS: LogicalNames = ("activation_length", "activation_heads", "activation_kv")
 # Inside Ulysses' all-to-all: the sequence whole within a cp block, the heads over mp x sep.
 ULYSSES: LogicalNames = ("activation_attention_length", "activation_attention_heads", None)
 RING: LogicalNames = ("activation_batch", *ULYSSES)
+# Where the sequence is whole: fleetjax's (None), or jax.nn.dot_product_attention's.
+IMPLEMENTATIONS = (None, "xla", "cudnn")
 
 
 def axis_ways(axis: str) -> int:
@@ -103,14 +105,18 @@ def attention(
         GPUs keeps none).
 
     Raises:
-      ValueError: for shapes that differ, a length that the sequence axes do not divide
-        (``sep`` x ``cp``, or ``sep`` x 2 ``cp`` under ``cp``), or heads that ``mp`` x
-        ``sep`` do not divide under ``sep``.
+      ValueError: for an `implementation` not in `IMPLEMENTATIONS`, shapes that differ, a
+        length that the sequence axes do not divide (``sep`` x ``cp``, or ``sep`` x 2 ``cp``
+        under ``cp``), or heads that ``mp`` x ``sep`` do not divide under ``sep``.
     """
     if not q.shape == k.shape == v.shape or q.ndim != 4:
         raise ValueError(
             "attention takes q, k and v of one shape [batch, length, heads, head_dim], got "
             f"{q.shape}, {k.shape}, {v.shape}"
+        )
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"attention's implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}"
         )
     sep, cp = axis_ways("sep"), axis_ways(_ring.AXIS)
     _check_length(q.shape[1], sep * cp * (2 if cp > 1 else 1))

@@ -1,4 +1,4 @@
-"""A process of tests/test_data.py: reads batches with fleetjax.data.Loader and prints them.
+"""A process of tests/tools/test_data.py: reads batches with fleetjax.data.Loader and prints them.
 
     python data_worker.py shards DEVICES FILES_DIR   # one of 1 or 2 processes (see below)
     python data_worker.py train DEVICES CKPT STEPS   # trains, saving every step; resumes

@@ -1,4 +1,4 @@
-"""A worker for tests/test_export.py, started by fleetjax.launch with 2 processes x 2 devices.
+"""A worker for tests/base/test_export.py, started by fleetjax.launch with 2 processes x 2 devices.
 
     export_worker.py DIR
 

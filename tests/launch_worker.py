@@ -1,4 +1,4 @@
-"""A worker for tests/test_launch.py and tests/test_launch_faults.py, started by
+"""A worker for tests/facade/test_launch.py and tests/facade/test_launch_faults.py, started by
 `python -m fleetjax.launch`.
 
     launch_worker.py env ARGS...   print the launcher's variables and ARGS as JSON, exit 0

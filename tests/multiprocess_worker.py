@@ -1,4 +1,4 @@
-"""One worker of tests/test_multiprocess.py: run with the PADDLE_* variables set.
+"""One worker of tests/facade/test_multiprocess.py: run with the PADDLE_* variables set.
 
 Joins the other workers with fleet.init(), checks roles, the barrier and fleet.util, then
 trains data-parallel on the global mesh and checks the losses against plain JAX on one device.

@@ -1,4 +1,4 @@
-"""A process of a parameter-server job for tests/test_parameter_server.py, started by
+"""A process of a parameter-server job for tests/facade/test_parameter_server.py, started by
 `python -m fleetjax.launch --server_num ... --trainer_num ...` with Paddle's PS variables.
 
     ps_worker.py roles   print the fleet's role answers as JSON; a server calls

@@ -19,7 +19,7 @@ custom partitioning such as cuDNN's attention) compile in this process.
 
 jax has no public way to hand a lowered module to another process: `_request` reads the compile
 arguments of jax's lowering (`Lowered._lowering`) and builds the options with jax's own
-`create_compile_options`, as `Lowered.compile` does (tests/test_auto.py checks that both give
+`create_compile_options`, as `Lowered.compile` does (tests/tools/test_auto.py checks that both give
 the same memory analysis and HLO text).
 """
 

@@ -18,7 +18,7 @@ import nbclient
 import nbformat
 import pytest
 
-NOTEBOOKS = sorted((pathlib.Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
+NOTEBOOKS = sorted((pathlib.Path(__file__).parents[2] / "notebooks").glob("*.ipynb"))
 SECONDS = 120  # each notebook's budget, whole and per cell
 RUN = "fleetjax"  # the notebook metadata of the stored run: the digest of the code it ran
 # Appended to each executed copy: the kernel must have the devices the notebook set up.
@@ -60,7 +60,7 @@ def test_notebook_is_stored_with_the_outputs_of_its_code(path):
     nbformat.validate(nb)
     assert nb.metadata.get(RUN, {}).get("code_sha256") == _code_digest(nb), (
         f"{path.name}: its code changed since its stored outputs were made; run "
-        "tests/test_notebooks.py, which stores the new ones, and commit the notebook"
+        "tests/project/test_notebooks.py, which stores the new ones, and commit the notebook"
     )
     code = [cell for cell in nb.cells if cell.cell_type == "code"]
     assert [cell.execution_count for cell in code] == list(range(1, len(code) + 1))

@@ -17,7 +17,7 @@ from read_only import read_only
 import fleetjax
 from fleetjax import DistributedStrategy, ExecutionStrategy
 
-DATA = pathlib.Path(__file__).parent / "data"
+DATA = pathlib.Path(__file__).parents[1] / "data"
 PADDLE_FILES = sorted(DATA.glob("paddle*.prototxt"))
 
 

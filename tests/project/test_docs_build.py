@@ -17,7 +17,7 @@ import pytest
 import fleetjax
 from fleetjax.transforms import amp
 
-ROOT = pathlib.Path(__file__).parents[1]
+ROOT = pathlib.Path(__file__).parents[2]
 # The public API: these modules' `__all__`, or, without one, the functions and classes they
 # define under public names.
 PUBLIC_MODULES = (

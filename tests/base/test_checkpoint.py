@@ -20,7 +20,7 @@ import fleetjax
 from fleetjax.checkpoint import CheckpointManager, load_persistables, save_persistables
 from fleetjax.mesh import build_mesh
 
-HERE = pathlib.Path(__file__).parent
+HERE = pathlib.Path(__file__).parents[1]  # the tests folder: its workers and data
 EXAMPLE = HERE.parent / "examples" / "train_digits.py"
 ENV = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
 

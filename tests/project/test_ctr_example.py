@@ -12,7 +12,7 @@ import sys
 import pytest
 from launching import free_port
 
-EXAMPLES = pathlib.Path(__file__).parents[1] / "examples"
+EXAMPLES = pathlib.Path(__file__).parents[2] / "examples"
 SUMMARY = re.compile(r"loss (?P<first>[\d.]+) -> (?P<last>[\d.]+) \| auc (?P<auc>[\d.]+)")
 ENV = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
 SHORT = ["--steps", "60", "--batch-size", "256", "--ids-per-slot", "1024"]

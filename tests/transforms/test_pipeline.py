@@ -88,7 +88,8 @@ CASES = [
 ]
 CASES += [("VPP", 2, 5), ("VPP", 4, 4), ("VPP", 4, 9)]
 CASES += [pytest.param("VPP", 2, 2, marks=pytest.mark.slow)]
-# Eager1F1B and the zero-bubble schedules (backward split into B and W: tests/test_zero_bubble.py)
+# Eager1F1B and the zero-bubble schedules (backward split into B and W:
+# tests/transforms/test_zero_bubble.py)
 CASES += [("ZBH1", 2, 2), ("ZBH1", 4, 9), ("ZBVPP", 2, 5), ("Eager1F1B", 2, 3)]
 CASES += [pytest.param(*c, marks=pytest.mark.slow) for c in [("ZBH1", 4, 4), ("ZBVPP", 4, 4)]]
 CASES += [pytest.param("Eager1F1B", 4, 8, marks=pytest.mark.slow)]

@@ -9,7 +9,7 @@ import pytest
 
 import fleetjax
 
-EXAMPLE = pathlib.Path(__file__).parents[1] / "examples" / "train_digits.py"
+EXAMPLE = pathlib.Path(__file__).parents[2] / "examples" / "train_digits.py"
 
 
 def output(*args: str) -> tuple[str, str]:

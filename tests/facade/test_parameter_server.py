@@ -19,7 +19,7 @@ from fleetjax import launch
 from fleetjax.fleet.base.role_maker import PaddleCloudRoleMaker, Role, UserDefinedRoleMaker
 
 SERVERS = "127.0.0.1:6001,127.0.0.1:6002"
-PS_WORKER = pathlib.Path(__file__).parent / "ps_worker.py"
+PS_WORKER = pathlib.Path(__file__).parents[1] / "ps_worker.py"
 
 
 class TableModel(nnx.Module):

@@ -21,7 +21,7 @@ from fleetjax.mesh import build_mesh
 from fleetjax.transforms import recompute
 from fleetjax.transforms.pipeline import PipelineLayer, PipelineParams, pipeline
 
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
+sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "examples"))
 from gpt import Attention, GPTConfig, make_gpt
 
 ROWS = 8

@@ -20,12 +20,12 @@ import pytest
 
 import fleetjax
 
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
+sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "examples"))
 import train_gpt
 import train_resnet
 from resnet import make_resnet
 
-EXAMPLES = pathlib.Path(__file__).parents[1] / "examples"
+EXAMPLES = pathlib.Path(__file__).parents[2] / "examples"
 STRATEGIES = EXAMPLES / "strategies"
 
 SUMMARY = re.compile(r"^loss (?P<first>[\d.]+) -> (?P<last>[\d.]+) \| (?P<rest>.*)$")

@@ -11,7 +11,7 @@ import pytest
 
 import fleetjax
 
-ROOT = pathlib.Path(__file__).parents[1]
+ROOT = pathlib.Path(__file__).parents[2]
 
 
 def test_every_seed_default_difference_is_documented():

@@ -29,7 +29,7 @@ from fleetjax.checkpoint import (
     save_persistables,
 )
 
-HERE = pathlib.Path(__file__).parent
+HERE = pathlib.Path(__file__).parents[1]  # the tests folder: its workers and data
 WORKER = [sys.executable, str(HERE / "checkpoint_worker.py")]
 ENV = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
 

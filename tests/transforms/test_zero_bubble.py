@@ -1,7 +1,7 @@
 """The zero-bubble schedules (Paddle's ZBH1 and ZBVPP, Qi et al. 2023) and Eager1F1B: their
 tables (the backward split into B and W, the bubble, the in-flight count), Paddle's conditions,
 and the GPT under them with dp x mp x pp. (The pipeline under each giving the unpipelined
-model's loss and gradients: tests/test_pipeline.py.)"""
+model's loss and gradients: tests/transforms/test_pipeline.py.)"""
 
 import jax
 import numpy as np

@@ -16,7 +16,7 @@ from launching import ENV, WORKER, free_port, listening, wait_for
 
 from fleetjax import launch
 
-EXAMPLE = pathlib.Path(__file__).parents[1] / "examples" / "train_digits.py"
+EXAMPLE = pathlib.Path(__file__).parents[2] / "examples" / "train_digits.py"
 
 
 def plan(*argv: str, environ=None):
@@ -285,7 +285,8 @@ def _losses(output: str) -> dict[int, float]:
     return {int(s): float(v) for s, v in re.findall(r"^step (\d+): loss ([\d.]+)$", output, re.M)}
 
 
-@pytest.mark.slow  # two processes training: tests/test_multiprocess.py does it in the default run
+# two processes training: tests/facade/test_multiprocess.py does it in the default run
+@pytest.mark.slow
 def test_two_processes_train_like_one(launcher, tmp_path):
     args = ["--steps", "12", "--log-every", "3", "--hidden", "64"]
     proc = launcher(

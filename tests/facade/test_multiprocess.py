@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-WORKER = pathlib.Path(__file__).with_name("multiprocess_worker.py")
+WORKER = pathlib.Path(__file__).parents[1] / "multiprocess_worker.py"
 
 
 def _free_ports(count: int) -> list[int]:

@@ -24,7 +24,7 @@ import fleetjax
 from fleetjax import targets
 from fleetjax.plan import mesh_for, read_plan
 
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
+sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "examples"))
 from gpt import GPT, MEGATRON_KEPT, GPTConfig, GPTFunctions
 
 pytestmark = [

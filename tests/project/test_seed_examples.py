@@ -11,7 +11,7 @@ import pytest
 
 import fleetjax
 
-SEEDS = pathlib.Path(__file__).parents[1] / "examples" / "seeds"
+SEEDS = pathlib.Path(__file__).parents[2] / "examples" / "seeds"
 LOSSES = re.compile(r"^  losses (?P<losses>[\d. ]+)$", re.MULTILINE)
 
 

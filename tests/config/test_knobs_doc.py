@@ -14,7 +14,7 @@ import fleetjax
 from fleetjax import knobs
 from fleetjax.plan import XLA_FUSES, read_plan
 
-DOC = pathlib.Path(__file__).parent.parent / "docs" / "knobs.md"
+DOC = pathlib.Path(__file__).parents[2] / "docs" / "knobs.md"
 KINDS = {"feature", "XLA flag", "XLA default", "no JAX meaning", "not yet"}
 WHEN = {"applied", "warns", "raises", "silent"}
 SPECS = {

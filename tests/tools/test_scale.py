@@ -19,7 +19,7 @@ from flax import nnx
 import fleetjax
 from fleetjax import targets
 
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
+sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "examples"))
 from gpt import GPT, GPTConfig, GPTFunctions
 
 pytestmark = pytest.mark.skipif(

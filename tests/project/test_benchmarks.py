@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-RUN = pathlib.Path(__file__).parents[1] / "benchmarks" / "run.py"
+RUN = pathlib.Path(__file__).parents[2] / "benchmarks" / "run.py"
 N = 8
 KiB = 1024
 

@@ -669,7 +669,7 @@ def test_explain_reports_the_plan():
 
 
 def test_docs_show_what_explain_prints():
-    docs = (pathlib.Path(__file__).parents[1] / "docs" / "fleet.md").read_text()
+    docs = (pathlib.Path(__file__).parents[2] / "docs" / "fleet.md").read_text()
     shown = docs.split("```text\n")[1].split("\n```")[0]
     strategy = DS(
         amp=True,

@@ -27,7 +27,7 @@ import fleetjax
 from fleetjax.checkpoint import CheckpointManager
 from fleetjax.data import Loader
 
-WORKER = [sys.executable, "-u", str(pathlib.Path(__file__).with_name("data_worker.py"))]
+WORKER = [sys.executable, "-u", str(pathlib.Path(__file__).parents[1] / "data_worker.py")]
 ENV = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
 RECORDS = 100
 

@@ -454,8 +454,8 @@ def test_a_sequence_parallel_layout_trains_the_form_it_is_given():
 @pytest.mark.slow  # 20 s: a search and 3 steps trained; the Layout test above runs by default
 def test_layouts_with_mp_train_the_sequence_parallel_form_where_there_is_one(gpt):
     """With the model's sequence-parallel form, a layout with mp > 1 trains it (the report says
-    so) and trains like one device (tests/test_sequence_axes.py checks its collectives); without
-    the form such a layout cannot apply."""
+    so) and trains like one device (tests/core/test_sequence_axes.py checks its collectives);
+    without the form such a layout cannot apply."""
     model, params, batches = gpt
     sequence_parallel, _ = make_gpt(dataclasses.replace(GPT_CONFIG, sequence_parallel=True))
     found = search_gpt(

@@ -21,7 +21,7 @@ from fleetjax import export
 from fleetjax.export import load_inference_model, save_inference_model
 from fleetjax.mesh import build_mesh
 
-HERE = pathlib.Path(__file__).parent
+HERE = pathlib.Path(__file__).parents[1]  # the tests folder: its workers and data
 
 
 # The exported program is compiled again (and for another platform's lowering rules), so each dot

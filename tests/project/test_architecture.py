@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-ROOT = pathlib.Path(__file__).parents[1]
+ROOT = pathlib.Path(__file__).parents[2]
 PACKAGE = ROOT / "fleetjax"
 
 
@@ -143,6 +143,16 @@ def test_the_layers_are_ordered_from_config_to_facade():
     ranks = [rank for rank, _, _ in layers()]
     assert ranks == sorted(ranks) and layer_of("fleetjax.strategy") == (1, "config")
     assert layer_of("fleetjax.fleet.base.role_maker")[1] == "facade"
+
+
+def test_the_tests_sit_in_folders_that_mirror_the_layers():
+    """tests/<layer>/ for each layer of the table (what it tests), tests/project/ for the
+    project as a whole (docs, notebooks, examples, benchmarks, this file); shared helpers and
+    worker scripts stay at the top of tests/, test files never."""
+    tests = ROOT / "tests"
+    folders = {p.parent.name for p in tests.glob("*/test_*.py")}
+    assert folders == {name for _, name, _ in layers()} | {"project"}
+    assert sorted(p.name for p in tests.glob("test_*.py")) == []
 
 
 # -- sizes --------------------------------------------------------------------------------------

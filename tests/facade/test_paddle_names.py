@@ -6,10 +6,10 @@ import importlib
 import pathlib
 import re
 
-ROOT = pathlib.Path(__file__).parents[1]
+ROOT = pathlib.Path(__file__).parents[2]
 SEEDS = ROOT / "tests" / "data" / "seeds"  # copies of the seed documents
 PAGE = ROOT / "docs" / "paddle.md"
-TABLE_MARK = "<!-- seed-names: tests/test_paddle_names.py checks this table -->"
+TABLE_MARK = "<!-- seed-names: tests/facade/test_paddle_names.py checks this table -->"
 SEED_FILES = {path.name[:3]: path for path in sorted(SEEDS.glob("[0-9][0-9][0-9]_*.txt"))}
 
 # Strategy-like objects in the seeds' code, by the variable names the seeds give them.

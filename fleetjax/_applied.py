@@ -19,11 +19,12 @@ from jax.sharding import Mesh
 
 from fleetjax import xla_flags
 from fleetjax.distributed_optimizer import DistributedOptimizer
-from fleetjax.mesh import AXES, REQUIRED_AXES, data_axes, data_parallel_size
+from fleetjax.mesh import data_axes, data_parallel_size
 from fleetjax.optimizers import PaddleOptimizer, rebuild
 from fleetjax.plan import NoEffect, OptimizerSwitch, Plan, read_plan
 from fleetjax.strategy import DistributedStrategy, Strategy
 from fleetjax.transforms import amp
+from fleetjax.vocabulary import AXES, REQUIRED_AXES
 
 __all__ = ["AppliedStrategy", "Setting", "applied_strategy"]
 

@@ -26,27 +26,14 @@ from fleetjax._config import (
     message,
     one_of,
 )
+from fleetjax.vocabulary import PADDLE_ORDER, REMAT_POLICIES
 
 # Paddle spellings of pipeline schedules (static fleet, auto-parallel and dygraph registries).
 PADDLE_SCHEDULE_MODES = ("1F1B", "F-then-B", "FThenB", "VPP", "Eager1F1B", "ZBH1", "ZBVPP")
 
-# The plain policies of `jax.checkpoint_policies`, for the `policy` extension key of recompute.
-REMAT_POLICIES = (
-    "nothing_saveable",
-    "everything_saveable",
-    "dots_saveable",
-    "checkpoint_dots",
-    "dots_with_no_batch_dims_saveable",
-    "checkpoint_dots_with_no_batch_dims",
-)
 _remat_policy = one_of("", *REMAT_POLICIES)
 _half = one_of("float16", "bfloat16")
 _merge_mode = one_of("across_calls", "in_step")
-
-# Axes Paddle's hybrid topology knows, in its default order (`hybrid_configs["order"]`);
-# fleetjax.mesh.AXES says which of them a mesh has.
-HYBRID_AXES = ("dp", "pp", "sharding", "sep", "cp", "mp")
-PADDLE_ORDER = list(HYBRID_AXES)
 
 _PS = (
     "a setting of Paddle's parameter-server runtime (its server processes, trainer dumps, "
@@ -967,7 +954,7 @@ HYBRID_CONFIG = message(
             str,
             list(PADDLE_ORDER),
             paddle=False,
-            check=one_of(*HYBRID_AXES),
+            check=one_of(*PADDLE_ORDER),
             doc="The mesh axis order, slowest-varying first.",
         ),
     ],

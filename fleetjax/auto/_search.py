@@ -79,6 +79,7 @@ from fleetjax.plan import mesh_for, read_plan
 from fleetjax.step import TrainStep, make_train_step
 from fleetjax.strategy import DistributedStrategy
 from fleetjax.transforms.pipeline import PipelineLayer, PipelineParams
+from fleetjax.vocabulary import DATA_AXES
 
 # Memory savers shrink the activations, which depend on the rows per device and the mp and pp
 # split, not on ZeRO: what they saved on one layout predicts what they save on another with the
@@ -409,7 +410,7 @@ class _Planner:
         """The share of a gradient reduction over `layout`'s replicas that crosses the network
         (`fleetjax.cost.network_share` of the data axes' group of the first device)."""
         mesh = mesh_for(read_plan(layout.strategy(self.base, self.rows)), self.devices)
-        index = tuple(slice(None) if a in ("dp", "sharding") else 0 for a in mesh.axis_names)
+        index = tuple(slice(None) if a in DATA_AXES else 0 for a in mesh.axis_names)
         group = mesh.devices[index].flatten()
         hosts = [d.process_index for d in mesh.devices.flat]
         position = {d: i for i, d in enumerate(mesh.devices.flat)}

@@ -29,6 +29,8 @@ from flax.core import spmd as flax_spmd
 from flax.linen.spmd import LogicallyPartitioned
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
+from fleetjax.vocabulary import DATA_AXES, SEQUENCE_AXES
+
 __all__ = [
     "DEFAULT_RULES",
     "LogicalNames",
@@ -58,8 +60,8 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("table_rows", ("dp", "sharding", "pp", "mp")),
     # Activations: the batch is split over the data axes, features as their weights are, the
     # sequence over the sequence axes (segment and context parallelism).
-    ("activation_batch", ("dp", "sharding")),
-    ("activation_length", ("cp", "sep")),
+    ("activation_batch", DATA_AXES),
+    ("activation_length", SEQUENCE_AXES),
     ("activation_embed", None),
     ("activation_mlp", "mp"),
     ("activation_heads", "mp"),
@@ -67,7 +69,7 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("activation_vocab", "mp"),
     # Megatron's sequence parallelism: outside the tensor-parallel matmuls (LayerNorm, dropout,
     # the residual stream) the sequence is split over mp too.
-    ("activation_norm_length", ("cp", "sep", "mp")),
+    ("activation_norm_length", (*SEQUENCE_AXES, "mp")),
     # Inside Ulysses' all-to-all (fleetjax.layers.attention): the sequence whole within a cp
     # block, the heads over mp x sep.
     ("activation_attention_length", "cp"),

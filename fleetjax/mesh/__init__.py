@@ -1,21 +1,18 @@
 """The device mesh with Paddle's hybrid-parallel axes `dp`, `sharding`, `pp` and `mp`, and the
-sequence axes `sep` and `cp`."""
+sequence axes `sep` and `cp` (their names and order: `fleetjax.vocabulary`), and the placement
+rules on it."""
 
 from fleetjax.mesh._mesh import (
-    AXES,
-    DEFAULT_ORDER,
-    REQUIRED_AXES,
-    SEQUENCE_AXES,
     build_mesh,
     check_order,
 )
 from fleetjax.mesh._rules import (
-    DATA_AXES,
     ZERO_MIN_ELEMENTS,
     batch_sharding,
     constrain,
     data_axes,
     data_parallel_size,
+    manual_axes,
     replicated,
     restrict,
     spec_axes,
@@ -23,18 +20,14 @@ from fleetjax.mesh._rules import (
 )
 
 __all__ = [
-    "AXES",
-    "DATA_AXES",
     "ZERO_MIN_ELEMENTS",
-    "DEFAULT_ORDER",
-    "REQUIRED_AXES",
-    "SEQUENCE_AXES",
     "batch_sharding",
     "build_mesh",
     "check_order",
     "constrain",
     "data_axes",
     "data_parallel_size",
+    "manual_axes",
     "replicated",
     "restrict",
     "spec_axes",

@@ -10,22 +10,14 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from fleetjax._schema import HYBRID_AXES, PADDLE_ORDER
-
-AXES = ("dp", "sharding", "pp", "sep", "cp", "mp")
-# The axes every mesh has; `sep` (segment parallelism) and `cp` (context parallelism) split the
-# sequence and are in a mesh only where their degree is above 1.
-REQUIRED_AXES = ("dp", "sharding", "pp", "mp")
-SEQUENCE_AXES = ("cp", "sep")  # a sequence's split, major first (see fleetjax.layers.attention)
-# Paddle's hybrid order: mp varies fastest.
-DEFAULT_ORDER = tuple(PADDLE_ORDER)
+from fleetjax.vocabulary import AXES, PADDLE_ORDER, REQUIRED_AXES, SEQUENCE_AXES
 
 
 def check_order(order: Sequence[str], sequence: Sequence[str] = ()) -> tuple[str, ...]:
     """The mesh axis order from a Paddle `hybrid_configs["order"]`-style list: its axes that
     the mesh has, the `sequence` axes ('sep', 'cp') only where they are listed there."""
     order = tuple(order)
-    unknown = [a for a in order if a not in HYBRID_AXES]
+    unknown = [a for a in order if a not in PADDLE_ORDER]
     if unknown or len(set(order)) != len(order) or not set(REQUIRED_AXES) <= set(order):
         raise ValueError(
             f"order must name each of {', '.join(REQUIRED_AXES)} exactly once (and 'sep' and "
@@ -132,7 +124,7 @@ def build_mesh(
             + _simulation_hint(devices, total)
         )
     sequence = tuple(a for a in SEQUENCE_AXES if degrees[a] > 1)
-    names = check_order(order if order is not None else DEFAULT_ORDER, sequence)
+    names = check_order(order if order is not None else PADDLE_ORDER, sequence)
     grid = np.array(devices, dtype=object).reshape([degrees[a] for a in names])
     types = (axis_types or AxisType.Auto,) * len(names)
     return Mesh(grid, names, axis_types=types)

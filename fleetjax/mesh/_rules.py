@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-DATA_AXES = ("dp", "sharding")  # the batch is split over both; ZeRO shards state over sharding
+from fleetjax.vocabulary import DATA_AXES
 
 
 def data_axes(mesh: Mesh) -> tuple[str, ...]:
@@ -94,6 +95,14 @@ def zero_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> Partit
                 entries[d] = (*existing, "sharding") if existing else "sharding"
                 return PartitionSpec(*entries)
     return spec
+
+
+def manual_axes(mesh: Mesh, axes: Iterable[str]) -> frozenset[str]:
+    """The axes a `shard_map` over `axes` takes in hand (its `axis_names`): `axes`, and every
+    axis of size 1, which has nothing to partition. Keeping those manual too keeps XLA:CPU
+    compiling bfloat16 all-reduces (jaxlib 0.10.2 aborts in AllReducePromotion on a bf16 psum
+    inside a partially manual shard_map)."""
+    return frozenset(axes) | {a for a in mesh.axis_names if mesh.shape[a] == 1}
 
 
 def restrict(spec: PartitionSpec, axes: tuple[str, ...]) -> PartitionSpec:

@@ -39,7 +39,6 @@ import numpy as np
 import optax
 from jax import lax
 
-from fleetjax.mesh import DATA_AXES
 from fleetjax.optimizers._basic import (
     LearningRate,
     PaddleOptimizer,
@@ -50,6 +49,7 @@ from fleetjax.optimizers._basic import (
     paddle_optimizer,
 )
 from fleetjax.optimizers._names import param_names
+from fleetjax.vocabulary import DATA_AXES
 
 MIN_NUMEL = 16384  # Paddle's `_is_use_dgc`: smaller tensors are sent dense
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from fleetjax.mesh import DATA_AXES
+from fleetjax.vocabulary import DATA_AXES
 
 
 class GeoState(NamedTuple):

@@ -37,8 +37,8 @@ import numpy as np
 import optax
 from jax import lax
 
-from fleetjax.mesh import DATA_AXES
 from fleetjax.optimizers._lr import get_lr
+from fleetjax.vocabulary import DATA_AXES
 
 MAX_K_STEPS = 16  # Paddle's bounds on the adapted interval
 MIN_K_STEPS = 1

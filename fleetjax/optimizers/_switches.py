@@ -16,13 +16,13 @@ from typing import Any
 
 import optax
 
-from fleetjax.mesh import DATA_AXES
 from fleetjax.optimizers._basic import PaddleOptimizer
 from fleetjax.optimizers._dgc import dgc
 from fleetjax.optimizers._geo import geo_sgd
 from fleetjax.optimizers._lamb import lamb
 from fleetjax.optimizers._lars import lars
 from fleetjax.optimizers._localsgd import adaptive_localsgd, localsgd
+from fleetjax.vocabulary import DATA_AXES
 
 __all__ = ["GEO", "STEP_SWITCHES", "SWITCHES", "Switch", "check_combination", "rebuild"]
 

@@ -8,11 +8,11 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from fleetjax._schema import PADDLE_ORDER
 from fleetjax._warnings import warn_once
-from fleetjax.mesh import AXES, SEQUENCE_AXES, build_mesh, check_order
+from fleetjax.mesh import build_mesh, check_order
 from fleetjax.plan._values import Degrees, Plan
 from fleetjax.strategy import DistributedStrategy, Strategy
+from fleetjax.vocabulary import AXES, PADDLE_ORDER, SEQUENCE_AXES
 
 # hybrid_configs degrees of axes fleetjax's mesh does not have yet.
 _NO_AXIS = ("ep_degree", "moe_sharding_degree")

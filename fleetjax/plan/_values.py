@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 
 from fleetjax.optimizers import STEP_SWITCHES, SWITCHES, Switch
 from fleetjax.transforms import amp
+from fleetjax.vocabulary import PADDLE_ORDER, REQUIRED_AXES
 from fleetjax.xla_flags import Flag
 
 
@@ -156,7 +157,8 @@ class Plan:
     strategy: str = "DistributedStrategy"  # the class it was read from, for messages
     degrees: Degrees = dataclasses.field(default_factory=Degrees)
     set_degrees: tuple[str, ...] = ()  # the axes whose degree the strategy sets explicitly
-    order: tuple[str, ...] = ("dp", "pp", "sharding", "mp")  # mesh axes, slowest-varying first
+    # The mesh axes, slowest-varying first: Paddle's order of the axes every mesh has.
+    order: tuple[str, ...] = tuple(a for a in PADDLE_ORDER if a in REQUIRED_AXES)
     recompute: Recompute | None = None
     amp: Amp | None = None
     gradient_merge: GradientMerge | None = None

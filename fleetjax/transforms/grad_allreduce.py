@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from fleetjax.mesh import manual_axes
 from fleetjax.transforms.grad_fn import GradFn, Outputs
 
 Reducer = Callable[[Any, tuple[str, ...]], Any]
@@ -179,10 +180,7 @@ def data_parallel(
         mean = lambda tree: jax.tree.map(lambda x: jax.lax.pmean(x, axes), tree)  # noqa: E731
         return Outputs(mean(loss), mean(aux), model_state), reducer(grads, axes)
 
-    # Axes of size 1 have nothing to partition, so they are manual too; that also keeps
-    # XLA:CPU compiling bfloat16 all-reduces (jaxlib 0.10.2 aborts in AllReducePromotion on a
-    # bf16 psum inside a partially manual shard_map).
-    manual = frozenset(axes) | {a for a in mesh.axis_names if mesh.shape[a] == 1}
+    manual = manual_axes(mesh, axes)
 
     def reduced(params: Any, model_state: Any, batch: Any, *rest: Any) -> tuple[Outputs, Any]:
         state = PartitionSpec() if state_specs is None else state_specs

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from fleetjax.mesh import manual_axes
+
 Agree = Callable[[jax.Array], jax.Array]
 # (state, batch, key, agree) -> (new state, metrics)
 Update = Callable[[Any, Any, Any, Agree], tuple[Any, dict[str, Any]]]
@@ -71,10 +73,9 @@ def per_replica(
         new, metrics = update(unstack(state), batch, key, agree)
         return restack(new), jax.tree.map(mean, metrics)
 
-    # Axes of size 1 are manual too (nothing to partition; see grad_allreduce). Updates that
-    # are equal on every replica are typed per replica, so the outputs' replication is not
-    # checked.
-    manual = frozenset(axes) | {a for a in mesh.axis_names if mesh.shape[a] == 1}
+    # Updates that are equal on every replica are typed per replica, so the outputs'
+    # replication is not checked.
+    manual = manual_axes(mesh, axes)
 
     def run(state: Any, batch: Any, key: Any) -> tuple[Any, dict[str, Any]]:
         return jax.shard_map(

@@ -28,7 +28,7 @@ from typing import Any
 import jax
 from jax.ad_checkpoint import checkpoint_name as _jax_checkpoint_name
 
-from fleetjax._schema import REMAT_POLICIES as POLICIES  # the plain jax.checkpoint_policies
+from fleetjax.vocabulary import REMAT_POLICIES as POLICIES  # the plain jax.checkpoint_policies
 
 
 def remat_policy(

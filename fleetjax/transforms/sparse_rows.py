@@ -52,6 +52,7 @@ from fleetjax.layers.sparse_embedding import (
     is_table,
     lookup_scope,
 )
+from fleetjax.mesh import manual_axes
 from fleetjax.optimizers import geo_merge
 from fleetjax.optimizers.sparse_rules import SparseRule
 
@@ -156,7 +157,7 @@ def _on_shards(fn: Callable[..., Any], mesh: Mesh | None, axes: Sequence[str], s
     if not axes:
         return fn
     in_specs, out_specs = specs
-    manual = frozenset(axes) | {a for a in mesh.axis_names if mesh.shape[a] == 1}
+    manual = manual_axes(mesh, axes)
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=manual)
 
 

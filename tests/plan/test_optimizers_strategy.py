@@ -9,8 +9,8 @@ import pytest
 
 import fleetjax
 from fleetjax import optimizers as opt
-from fleetjax.mesh import DATA_AXES
 from fleetjax.plan import read_plan
+from fleetjax.vocabulary import DATA_AXES
 
 
 def strategy(**switches):

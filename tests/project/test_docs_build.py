@@ -29,6 +29,7 @@ PUBLIC_MODULES = (
     "fleetjax.optimizers",
     "fleetjax.optimizers.sparse_rules",
     "fleetjax.mesh",
+    "fleetjax.vocabulary",
     "fleetjax.checkpoint",
     "fleetjax.data",
     "fleetjax.export",

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
-from fleetjax.mesh import data_axes, restrict, spec_axes
+from fleetjax.mesh import data_axes, manual_axes, restrict, spec_axes
 from fleetjax.transforms.pipeline._model import PipelineParams
 
 AXIS = "pp"
@@ -44,9 +44,7 @@ class Layout(NamedTuple):
             axis (its stage's chunks would not be whole).
         """
         data = data_axes(mesh)
-        # Axes of size 1 are manual too: that keeps XLA:CPU compiling bfloat16 all-reduces
-        # (see grad_allreduce.data_parallel).
-        manual = frozenset({AXIS, *data} | {a for a in mesh.axis_names if mesh.shape[a] == 1})
+        manual = manual_axes(mesh, (AXIS, *data))
         specs = leaf_specs(param_specs or BY_STAGE, params)
         param_in = on_axes(manual, specs)
         others = tuple(a for a in mesh.axis_names if a not in manual)

@@ -30,17 +30,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from fleetjax._checks import check_pipeline_layers
 from fleetjax.layers import sequence_parallel_options
 from fleetjax.mesh import data_axes, data_parallel_size, restrict
-from fleetjax.placement import Placement
+from fleetjax.placement import Loss, Placement
 from fleetjax.plan import Plan
 from fleetjax.transforms import amp, grad_allreduce, gradient_merge, recompute
 from fleetjax.transforms.grad_fn import GradFn, Outputs, value_and_grad
 from fleetjax.transforms.loss_scale import DynamicLossScale
-from fleetjax.transforms.pipeline import PipelineLayer, pipeline, to_pipeline_order
-
-Loss = Callable[..., Any] | PipelineLayer
+from fleetjax.transforms.pipeline import PipelineLayer, pipeline
 
 
 class Signature(NamedTuple):
@@ -218,43 +215,6 @@ def _describe(x: Any) -> str:
     return type(x).__name__
 
 
-def vpp_degree(plan: Plan, model: PipelineLayer) -> int:
-    """The pipeline's virtual stages: the strategy's `vpp_degree` or the model's
-    `num_virtual_pipeline_stages`, which must agree where both are set."""
-    asked, own = plan.pipeline.vpp_degree, model.num_virtual_pipeline_stages
-    if asked > 1 and own > 1 and asked != own:
-        raise ValueError(
-            f"Strategy.pipeline.vpp_degree={asked} but the PipelineLayer has "
-            f"num_virtual_pipeline_stages={own}"
-        )
-    return max(asked, own)
-
-
-def stage_order(params: Any, model_state: Any, plan: Plan, model: Loss, mesh: Mesh) -> tuple:
-    """`params` and `model_state` as the pipeline keeps them: under VPP, stage s holds the
-    layers of chunks s, s + P, ... (`fleetjax.transforms.pipeline.to_model_order` goes back);
-    otherwise as they are."""
-    if plan.pipeline is None:
-        return params, model_state
-    vpp, stages = vpp_degree(plan, model), mesh.shape["pp"]
-    if model.num_stages is not None and model.num_stages != stages:
-        raise ValueError(
-            f"the PipelineLayer was cut for num_stages={model.num_stages}, but the mesh's pp "
-            f"axis (pp_degree) has {stages}"
-        )
-    trees = (params,) if model_state is None else (params, model_state)
-    for tree, name in zip(trees, ("params", "model_state"), strict=False):
-        check_pipeline_layers(tree, stages, vpp, name)
-    if vpp > 1:
-
-        def reorder(x: Any) -> Any:  # an abstract layer keeps its shape (nothing runs)
-            return x if isinstance(x, jax.ShapeDtypeStruct) else to_pipeline_order(x, stages, vpp)
-
-        order = lambda tree: jax.tree.map(reorder, tree.layers)  # noqa: E731
-        trees = tuple(tree._replace(layers=order(tree)) for tree in trees)
-    return trees if model_state is not None else (*trees, None)
-
-
 def _pipelined(
     model: PipelineLayer,
     plan: Plan,
@@ -267,7 +227,7 @@ def _pipelined(
     merge is that) and reduces over the data axes once, through the plan's reducer."""
     model.check_flags(signature.has_rng, signature.has_state)
     config = plan.pipeline
-    reducer, scattered = _reducer(plan, mesh, placement, pipelined=True)
+    reducer, scattered = _reducer(plan, mesh, placement)
     spec_of = lambda tree: jax.tree.map(lambda s: s.spec, tree)  # noqa: E731
     value_and_grad_fn = pipeline(
         model.embed,
@@ -277,7 +237,7 @@ def _pipelined(
         micro_batch_size=config.micro_batch_size,
         accumulate_steps=config.accumulate_steps,
         schedule_mode=config.schedule_mode,
-        vpp_degree=vpp_degree(plan, model),
+        vpp_degree=placement.stage_order.vpp,
         has_aux=signature.has_aux,
         has_rng=signature.has_rng,
         has_state=signature.has_state,
@@ -299,23 +259,23 @@ def _pipelined(
 
 
 def _reducer(
-    plan: Plan, mesh: Mesh, placement: Placement, *, pipelined: bool = False
+    plan: Plan, mesh: Mesh, placement: Placement
 ) -> tuple[grad_allreduce.Reducer, Any] | None:
     """The explicit reducer over the data axes, with the gradients' placement when it leaves
-    each device a shard (ZeRO-2; under a pipeline any ZeRO stage), or None where XLA's own
-    collectives do (ZeRO-3 outside a pipeline: a reducer's `shard_map` would gather every
-    parameter at its entry, the whole model at once; XLA gathers each where it is used and
-    reduce-scatters its gradient). A pipeline always reduces its gradients itself, once
-    after its loop (by default their mean)."""
+    each device a shard (`placement.scattered`), or None where XLA's own collectives do
+    (ZeRO-3 outside a pipeline: a reducer's `shard_map` would gather every parameter at its
+    entry, the whole model at once; XLA gathers each where it is used and reduce-scatters its
+    gradient). A pipeline always reduces its gradients itself, once after its loop (by
+    default their mean)."""
+    pipelined = plan.pipeline is not None
     if plan.sharding_stage == 3 and not pipelined:
         return None
-    replicas = data_parallel_size(mesh)
-    zero = plan.sharding_stage == 2 or (pipelined and plan.sharding_stage)
-    dtype = jnp.dtype(plan.allreduce_dtype or jnp.float32)
-    if zero and mesh.shape.get("sharding", 1) > 1:  # each device ends with its shard
+    if placement.scattered:  # each device ends with its shard
         grads = placement.grads
         specs = jax.tree.map(lambda s: restrict(s.spec, data_axes(mesh)), grads)
         return grad_allreduce.scatter_mean(specs), grads
+    replicas = data_parallel_size(mesh)
+    dtype = jnp.dtype(plan.allreduce_dtype or jnp.float32)
     if plan.hierarchical is not None:
         # A node is, by default, the replicas of one process (Paddle: of one machine).
         per_node = plan.hierarchical.ranks_per_node or max(1, replicas // jax.process_count())

@@ -378,7 +378,7 @@ def explain(
     placement = step.spec(state).placement
     if placement.grads is None:  # per-replica optimizers: each device's own full gradient
         grads = device_bytes(abstract.params, placement.params)
-        if not step.plan.replica_params:  # replicated parameters, one full gradient
+        if not placement.stacked.params:  # replicated parameters, one full gradient
             grads = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract.params))
     else:
         grads = device_bytes(abstract.params, placement.grads)

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import optax
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fleetjax._checks import init_optimizer
 from fleetjax.layers import is_table, logical_to_spec
@@ -35,7 +35,7 @@ from fleetjax.plan import Plan, SparseTableConfig
 from fleetjax.transforms import sparse_rows
 from fleetjax.transforms.sparse_rows import GeoRows, TablesState
 
-__all__ = ["Rows", "Tables"]
+__all__ = ["Rows", "Tables", "in_host_memory"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +90,10 @@ class Rows:
         return params, TablesState(dense_state, slots, geo)
 
 
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
 def _rule(config: SparseTableConfig, dim: int) -> SparseRule:
     """The table's `SparseAccessor` rule; its config's dimensions must fit the table."""
     where = f"sparse_table_configs[{config.table_name!r}].accessor"
@@ -113,6 +117,34 @@ def _check_combinations(plan: Plan, found: Mapping[str, Any]) -> None:
     if host:
         on["host_tables"] = f"sparse table {host[0]!r} with memory_kind='pinned_host'"
     check_combination(on)
+
+
+def _pinned(sharding: NamedSharding) -> NamedSharding:
+    """`sharding` in pinned host memory. Compile-only devices have no memory spaces, so their
+    shardings drop the kind; one on the mesh's abstract mesh keeps it, and a step lowered for
+    them (under `jax.set_mesh`) keeps the array in host memory as XLA does for real devices."""
+    host = sharding.with_memory_kind("pinned_host")
+    if host.memory_kind == "pinned_host":
+        return host
+    return NamedSharding(sharding.mesh.abstract_mesh, sharding.spec, memory_kind="pinned_host")
+
+
+def in_host_memory(params: Any, params_at: Any, opt_at: Any = None) -> tuple[Any, Any]:
+    """`params_at` and `opt_at` (shardings like `params` and the optimizer state) with the rows
+    and the slots of the tables made with ``memory_kind="pinned_host"`` in pinned host
+    memory; as they are where `params` has no such table."""
+
+    def rows(at: Any, p: Any) -> Any:
+        if not (is_table(p) and on_host(p)):
+            return at
+        return at.replace(_pinned(at.get_value())) if is_table(at) else _pinned(at)
+
+    params_at = jax.tree.map(rows, params_at, params, is_leaf=is_table)
+    if isinstance(opt_at, TablesState):
+        host = {name for name, table in sparse_rows.tables(params).items() if on_host(table)}
+        pinned = lambda name, at: jax.tree.map(_pinned, at) if name in host else at  # noqa: E731
+        opt_at = opt_at._replace(slots={n: pinned(n, at) for n, at in opt_at.slots.items()})
+    return params_at, opt_at
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +187,46 @@ class Tables:
         geo = server.geo_k_steps
         axes = () if geo else spec_axes(logical_to_spec((TABLE_ROWS, None), mesh=mesh))
         return cls(rules, mesh, axes, geo)
+
+    def opt_specs(self, dense: Any, opt_state: TablesState, params: Any, specs: Any) -> TablesState:
+        """The specs of a `TablesState`: the dense optimizer state's `dense`, and each table's
+        slots (and Geo-SGD's exchange state) split as the table's rows, which `specs` (shaped
+        like `params`) give.
+
+        Raises:
+          ValueError: for a table whose spec splits none of its axes.
+        """
+        row_axes = {}
+
+        def note(table: Any, spec: Any) -> None:
+            if is_table(table):
+                spec = spec.get_value() if is_table(spec) else spec  # nnx keeps the wrapper
+                name = table.get_metadata()["table_name"]
+                if not isinstance(spec, PartitionSpec) or not spec:
+                    raise ValueError(
+                        f"param_specs gives sparse table {name!r} {spec!r}, which splits none of "
+                        "its axes; a table's rows are split over the mesh, its spec names their "
+                        "axes first (fleetjax.layers.partition_specs gives each table's)"
+                    )
+                row_axes[name] = PartitionSpec(spec[0])
+
+        jax.tree.map(note, params, specs, is_leaf=is_table)
+
+        def by_name(tree: dict[str, Any]) -> dict[str, Any]:
+            return {n: jax.tree.map(lambda _, s=row_axes[n]: s, v) for n, v in tree.items()}
+
+        geo = None if opt_state.geo is None else by_name(opt_state.geo)
+        return TablesState(dense, by_name(opt_state.slots), geo)
+
+    @staticmethod
+    def grad_specs(specs: Any, params: Any) -> Any:
+        """The gradients' `specs` with each table's gradient (its touched rows, a
+        `SparseTable` of them) whole on every device."""
+
+        def whole(spec: Any, x: Any) -> Any:
+            return x.replace(PartitionSpec()) if is_table(x) else spec
+
+        return jax.tree.map(whole, specs, params, is_leaf=lambda s: _is_spec(s) or is_table(s))
 
     def touched(
         self,

@@ -20,17 +20,17 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from fleetjax._chain import Loss, Signature, grad_chain
+from fleetjax._chain import Signature, grad_chain
 from fleetjax._checks import init_optimizer
 from fleetjax._tables import Rows, Tables
-from fleetjax.mesh import constrain, data_axes, data_parallel_size, restrict
-from fleetjax.placement import Placement, place
+from fleetjax.mesh import constrain, data_axes, restrict
+from fleetjax.placement import Loss, Placement, place
 from fleetjax.plan import Plan
 from fleetjax.train_state import TrainState
 from fleetjax.transforms.loss_scale import DynamicLossScale, apply_if_finite
 from fleetjax.transforms.per_replica import Agree, per_replica
 
-__all__ = ["StepSpec", "initial_state", "train_step", "update"]
+__all__ = ["StepSpec", "initial_state", "replica_state", "train_step", "update"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -70,47 +70,52 @@ class StepSpec:
     ) -> StepSpec:
         """The spec for states like `abstract_state` (shapes), its placement computed here
         (`place`, with the `param_specs` and `state_specs` in `specs`); nothing runs."""
-        placement = place(plan, mesh, abstract_state, optimizer, **specs)
+        placement = place(
+            plan, mesh, abstract_state, optimizer, model=loss_fn, tables=tables, **specs
+        )
         return cls(plan, mesh, placement, optimizer, loss_fn, signature, tables)
 
 
-def initial_state(
+def replica_state(
     plan: Plan,
-    mesh: Mesh,
     optimizer: optax.GradientTransformation,
     tables: Tables | None,
     params: Any,
     rng: jax.Array,
     model_state: Any,
 ) -> TrainState:
-    """A fresh state: step 0, the optimizer's state of `params` (with sparse tables, each
-    table's slots too), the loss scale AMP starts from, every replica's copy under a
-    per-replica optimizer (stacked on a leading axis)."""
+    """One replica's fresh state: step 0, the optimizer's state of `params` (with sparse
+    tables, each table's slots too) and the loss scale AMP starts from."""
     scaling = plan.amp.loss_scaling if plan.amp else None
     loss_scale = None if scaling is None else DynamicLossScale.create(**vars(scaling))
-    stack = lambda tree: jax.tree.map(  # noqa: E731 (every replica starts alike)
-        lambda x: jnp.broadcast_to(x, (data_parallel_size(mesh), *x.shape)), tree
-    )
     if tables is None:
         opt_state = init_optimizer(optimizer, params)
     else:
         params, opt_state = tables.init(optimizer, params)
-    opt_state = stack(opt_state) if plan.per_replica else opt_state
-    params = stack(params) if plan.replica_params else params
     return TrainState(jnp.zeros((), jnp.int32), params, opt_state, rng, loss_scale, model_state)
+
+
+def initial_state(spec: StepSpec, params: Any, rng: jax.Array, model_state: Any) -> TrainState:
+    """A fresh state as the step keeps it: `replica_state` with the layers in the pipeline's
+    stage order and the parts kept per replica copied for every replica (`spec.placement`)."""
+    order = spec.placement.stage_order
+    if order is not None:
+        params, model_state = order.to_pipeline(params), order.to_pipeline(model_state)
+    fresh = replica_state(spec.plan, spec.optimizer, spec.tables, params, rng, model_state)
+    return spec.placement.stack(fresh)
 
 
 def train_step(spec: StepSpec, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
     """One step on the global `batch`: the update, or under a per-replica optimizer each
     replica's (`per_replica`), with the key of this step where the loss takes one."""
     key = jax.random.fold_in(state.rng, state.step) if spec.signature.has_rng else None
-    if not spec.plan.per_replica:
+    placement = spec.placement
+    if not placement.per_replica:
         return update(spec, state, batch, key)
     axes = data_axes(spec.mesh)
-    specs = jax.tree.map(lambda s: restrict(s.spec, axes), spec.placement.state)
-    stacked = TrainState(False, spec.plan.replica_params, True, False, False, False)
+    over_replicas = jax.tree.map(lambda at: restrict(at.spec, axes), placement.state)
     each = functools.partial(update, spec)
-    return per_replica(each, spec.mesh, axes, specs, stacked)(state, batch, key)
+    return per_replica(each, spec.mesh, axes, over_replicas, placement.stacked)(state, batch, key)
 
 
 def _alone(finite: jax.Array) -> jax.Array:
@@ -138,7 +143,7 @@ def update(
         )
         params, loss_fn = rows.params, rows.loss_fn
     chain = (loss_fn, plan, spec.mesh, placement, spec.signature, state.loss_scale)
-    out, grads = grad_chain(*chain, reduce=not plan.per_replica)(
+    out, grads = grad_chain(*chain, reduce=not placement.per_replica)(
         params, state.model_state, batch, *rest
     )
     if placement.grads is not None:  # ZeRO-2/3: each device keeps its shard

@@ -1,7 +1,7 @@
 """Placement: where the train state, the gradients and the batch live on the mesh.
 
-`place(plan, mesh, abstract_state, optimizer)` computes it once, from shapes alone (nothing
-runs, so it works for meshes of compile-only devices too):
+`place(plan, mesh, abstract_state, optimizer, ...)` computes it once, from shapes alone
+(nothing runs, so it works for meshes of compile-only devices too):
 
 * the batch: its leading dimension split over the data axes (`dp` x `sharding`);
 * parameters: split by their logical axis names (or `param_specs`) over `mp`, a pipeline's
@@ -18,56 +18,126 @@ runs, so it works for meshes of compile-only devices too):
   the parameters, are stacked on a leading replica axis split over the data axes; each
   replica's gradient is its own, so the gradients have no placement.
 
-`TrainStep`, `explain` and `fleet.distributed_model` all read this one placement.
+and the facts beside the shardings: which parts are stacked per replica (`stacked`), whether
+each device keeps only its shard of the gradients (`scattered`), a pipeline's `StageOrder`.
+`TrainStep`, the gradient chain, `explain`, `auto` and `fleet.distributed_model` all read this
+one placement; its inputs (the plan, each tensor's own split in `param_specs`, the tables, the
+pipeline model) are the only ways to change it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from fleetjax._checks import check_opt_state, check_param_specs
+from fleetjax._checks import check_opt_state, check_param_specs, check_pipeline_layers
+from fleetjax._tables import Tables, in_host_memory
 from fleetjax._warnings import warn_once
 from fleetjax.layers import is_table, partition_specs
-from fleetjax.layers.sparse_embedding import on_host
 from fleetjax.mesh import (
     ZERO_MIN_ELEMENTS,
     batch_sharding,
     data_axes,
+    data_parallel_size,
     replicated,
     spec_axes,
     zero_spec,
 )
 from fleetjax.plan import Plan
 from fleetjax.train_state import TrainState
-from fleetjax.transforms.pipeline import PipelineParams
-from fleetjax.transforms.sparse_rows import TablesState, tables, without_tables
+from fleetjax.transforms.pipeline import (
+    PipelineLayer,
+    PipelineParams,
+    to_model_order,
+    to_pipeline_order,
+)
+from fleetjax.transforms.sparse_rows import without_tables
 
-__all__ = ["Placement", "model_state_shardings", "param_shardings", "place"]
+Loss = Callable[..., Any] | PipelineLayer
+
+__all__ = [
+    "Loss",
+    "NOT_STACKED",
+    "Placement",
+    "StageOrder",
+    "model_state_shardings",
+    "param_shardings",
+    "place",
+    "stage_order",
+    "vpp_degree",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageOrder:
+    """How a pipeline's stacked layers lie along the `pp` axis: `stages` stages, and under VPP
+    (`vpp` > 1) stage s holds the layers of chunks s, s + P, s + 2P, ..., so the step keeps the
+    layers in pipeline order (`fleetjax.transforms.pipeline.to_pipeline_order`)."""
+
+    stages: int
+    vpp: int
+
+    def to_pipeline(self, tree: PipelineParams | None) -> PipelineParams | None:
+        """`tree` (parameters or model state in model order) with its layers in pipeline
+        order; abstract leaves (`jax.ShapeDtypeStruct`s) keep their shapes."""
+        if tree is None or self.vpp == 1:
+            return tree
+
+        def one(x: Any) -> Any:
+            return x if isinstance(x, jax.ShapeDtypeStruct) else to_pipeline_order(x, *self)
+
+        return tree._replace(layers=jax.tree.map(one, tree.layers))
+
+    def to_model(self, tree: PipelineParams) -> PipelineParams:
+        """`tree` (parameters, gradients or model state in pipeline order) back in model
+        order."""
+        return tree._replace(layers=to_model_order(tree.layers, *self))
+
+    def __iter__(self) -> Iterator[int]:  # (stages, vpp), as the order functions take them
+        return iter((self.stages, self.vpp))
+
+
+NOT_STACKED = TrainState(False, False, False, False, False, False)
 
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Where each part of a train step's data lives: `NamedSharding`s shaped like it.
+    """Where each part of a train step's data lives, and every other fact of its layout: one
+    value, computed once by `place`, that the step, the gradient chain, `explain` and `auto`
+    read instead of deriving any of it again.
 
     Attributes:
-      state: a `TrainState` of shardings (a prefix of the state's pytree).
+      state: a `TrainState` of shardings (a prefix of the state's pytree): sparse tables' rows
+        and slots as `fleetjax.step`'s `Tables` lay them out.
       grads: the reduced gradients' shardings, like the parameters; None under per-replica
         optimizers (DGC, LocalSGD), where each replica keeps its own full gradient.
       batch: the batch's sharding (every leaf split on its leading dimension).
       opt_state_in_update: where the update reads the optimizer state: as `opt_state`, but an
         offloaded state (`optimize_offload`) in device memory (host tables' slots stay).
+      stacked: a `TrainState` of bools: the parts that hold one copy per data-parallel replica,
+        stacked on a leading axis of `replicas` (per-replica optimizers: their state, and
+        under LocalSGD the parameters).
+      replicas: the data-parallel replicas (the data axes' devices).
+      scattered: whether each device keeps only its shard of the reduced gradients (ZeRO-2
+        and 3 over a `sharding` axis of more than one device; under a pipeline, any stage).
+      stage_order: the pipeline's stages and virtual stages (None: no pipeline).
     """
 
     state: TrainState
     grads: Any | None
     batch: NamedSharding
     opt_state_in_update: Any = None
+    stacked: TrainState = NOT_STACKED
+    replicas: int = 1
+    scattered: bool = False
+    stage_order: StageOrder | None = None
 
     @property
     def params(self) -> Any:
@@ -80,6 +150,21 @@ class Placement:
     @property
     def model_state(self) -> Any:
         return self.state.model_state
+
+    @property
+    def per_replica(self) -> bool:
+        """Whether each replica steps its own state (some part is stacked per replica)."""
+        return any(self.stacked)
+
+    def stack(self, state: TrainState) -> TrainState:
+        """`state` (one replica's) with the stacked parts copied for every replica: each
+        replica starts alike."""
+        copies = lambda x: jnp.broadcast_to(x, (self.replicas, *x.shape))  # noqa: E731
+        return jax.tree.map(
+            lambda is_stacked, part: jax.tree.map(copies, part) if is_stacked else part,
+            self.stacked,
+            state,
+        )
 
     def shapes(self, state: Any) -> Any:
         """`state`'s shapes and dtypes as `jax.ShapeDtypeStruct`s with its shardings: what the
@@ -100,33 +185,6 @@ def _shardings(mesh: Mesh, specs: Any, memory_kind: str = "device") -> Any:
     return jax.tree.map(
         lambda spec: NamedSharding(mesh, spec, memory_kind=memory_kind), specs, is_leaf=_is_spec
     )
-
-
-def _pinned(sharding: NamedSharding) -> NamedSharding:
-    """`sharding` in pinned host memory. Compile-only devices have no memory spaces, so their
-    shardings drop the kind; one on the mesh's abstract mesh keeps it, and a step lowered for
-    them (under `jax.set_mesh`) keeps the array in host memory as XLA does for real devices."""
-    host = sharding.with_memory_kind("pinned_host")
-    if host.memory_kind == "pinned_host":
-        return host
-    return NamedSharding(sharding.mesh.abstract_mesh, sharding.spec, memory_kind="pinned_host")
-
-
-def _host_tables(params: Any, params_at: Any, opt_at: Any = None) -> tuple[Any, Any]:
-    """`params_at` and `opt_at` (shardings) with the rows and the slots of the tables made with
-    ``memory_kind="pinned_host"`` in pinned host memory."""
-
-    def rows(at: Any, p: Any) -> Any:
-        if not (is_table(p) and on_host(p)):
-            return at
-        return at.replace(_pinned(at.get_value())) if is_table(at) else _pinned(at)
-
-    params_at = jax.tree.map(rows, params_at, params, is_leaf=is_table)
-    if isinstance(opt_at, TablesState):
-        host = {name for name, table in tables(params).items() if on_host(table)}
-        pinned = lambda name, at: jax.tree.map(_pinned, at) if name in host else at  # noqa: E731
-        opt_at = opt_at._replace(slots={n: pinned(n, at) for n, at in opt_at.slots.items()})
-    return params_at, opt_at
 
 
 def _tensor_specs(plan: Plan, mesh: Mesh, params: Any, param_specs: Any) -> Any:
@@ -194,7 +252,7 @@ def param_shardings(plan: Plan, mesh: Mesh, params: Any, param_specs: Any = None
     specs = _tensor_specs(plan, mesh, params, param_specs)
     if plan.sharding_stage == 3:
         specs = _zero_specs(plan, mesh, specs, params)
-    return _host_tables(params, _shardings(mesh, specs))[0]
+    return in_host_memory(params, _shardings(mesh, specs))[0]
 
 
 def model_state_shardings(
@@ -232,49 +290,74 @@ def _opt_state_specs(optimizer: optax.GradientTransformation, opt_state: Any, sp
     return found[0]
 
 
-def _slot_specs(opt_state: TablesState, params: Any, specs: Any) -> tuple[dict, dict | None]:
-    """(slots, geo) specs of a `TablesState`: split over the axes of their table's rows, which
-    `specs` (shaped like `params`) give."""
-    row_axes = {}
-
-    def note(table: Any, spec: Any) -> None:
-        if is_table(table):
-            spec = spec.get_value() if is_table(spec) else spec  # nnx keeps the wrapper
-            name = table.get_metadata()["table_name"]
-            if not isinstance(spec, PartitionSpec) or not spec:
-                raise ValueError(
-                    f"param_specs gives sparse table {name!r} {spec!r}, which splits none of its "
-                    "axes; a table's rows are split over the mesh, its spec names their axes "
-                    "first (fleetjax.layers.partition_specs gives each table's)"
-                )
-            row_axes[name] = PartitionSpec(spec[0])
-
-    jax.tree.map(note, params, specs, is_leaf=is_table)
-
-    def by_name(tree: dict[str, Any]) -> dict[str, Any]:
-        return {name: jax.tree.map(lambda _, s=row_axes[name]: s, v) for name, v in tree.items()}
-
-    return by_name(opt_state.slots), None if opt_state.geo is None else by_name(opt_state.geo)
-
-
-def _opt_specs(optimizer: optax.GradientTransformation, opt_state: Any, params: Any, specs: Any):
+def _opt_specs(
+    optimizer: optax.GradientTransformation,
+    opt_state: Any,
+    params: Any,
+    specs: Any,
+    tables: Tables | None,
+) -> Any:
     """The optimizer state's specs; with sparse tables (a `TablesState`) the dense part's as
-    the optimizer keeps it, the tables' slots split as their rows."""
-    if not isinstance(opt_state, TablesState):
+    the optimizer keeps it, and the tables' slots as `tables` lays them out."""
+    if tables is None:
         check_opt_state(optimizer, opt_state, params)
         return _opt_state_specs(optimizer, opt_state, specs)
     check_opt_state(optimizer, opt_state.dense, without_tables(params))
     dense = _opt_state_specs(optimizer, opt_state.dense, without_tables(specs, params))
-    return TablesState(dense, *_slot_specs(opt_state, params, specs))
+    return tables.opt_specs(dense, opt_state, params, specs)
 
 
-def _rows_whole(specs: Any, params: Any) -> Any:
-    """`specs` with a sparse table's gradient (its touched rows) whole on every device."""
+def vpp_degree(plan: Plan, model: PipelineLayer | None) -> int:
+    """The pipeline's virtual stages: the strategy's `vpp_degree` or the model's
+    `num_virtual_pipeline_stages`, which must agree where both are set."""
+    asked = plan.pipeline.vpp_degree
+    own = 1 if model is None else model.num_virtual_pipeline_stages
+    if asked > 1 and own > 1 and asked != own:
+        raise ValueError(
+            f"Strategy.pipeline.vpp_degree={asked} but the PipelineLayer has "
+            f"num_virtual_pipeline_stages={own}"
+        )
+    return max(asked, own)
 
-    def whole(spec: Any, x: Any) -> Any:  # shaped as the gradient: a SparseTable of rows
-        return x.replace(PartitionSpec()) if is_table(x) else spec
 
-    return jax.tree.map(whole, specs, params, is_leaf=lambda s: _is_spec(s) or is_table(s))
+def stage_order(
+    plan: Plan, mesh: Mesh, model: PipelineLayer | None, abstract_state: TrainState
+) -> StageOrder:
+    """The pipeline's stage order for `model` (a `PipelineLayer`; None: as the plan alone
+    says) on `mesh`, after checking that its parameters and model state split into the
+    stages' chunks.
+
+    Raises:
+      ValueError: if the model was cut for another number of stages, the two vpp degrees
+        disagree, or a layers' tree does not split into pp x vpp equal chunks.
+    """
+    vpp, stages = vpp_degree(plan, model), mesh.shape["pp"]
+    if model is not None and model.num_stages is not None and model.num_stages != stages:
+        raise ValueError(
+            f"the PipelineLayer was cut for num_stages={model.num_stages}, but the mesh's pp "
+            f"axis (pp_degree) has {stages}"
+        )
+    check_pipeline_layers(abstract_state.params, stages, vpp, "params")
+    if abstract_state.model_state is not None:
+        check_pipeline_layers(abstract_state.model_state, stages, vpp, "model_state")
+    return StageOrder(stages, vpp)
+
+
+def _stacked(plan: Plan) -> TrainState:
+    """The parts of the state a per-replica optimizer keeps per replica: its state, and
+    under LocalSGD the parameters."""
+    if not plan.per_replica:
+        return NOT_STACKED
+    return NOT_STACKED._replace(params=plan.replica_params, opt_state=True)
+
+
+def _grads_scattered(plan: Plan, mesh: Mesh) -> bool:
+    """Whether each device keeps only its shard of the reduced gradients: ZeRO-2 and 3, and
+    under a pipeline any stage (it accumulates its stage's whole gradients anyway and
+    reduce-scatters them once per step, as Megatron's distributed optimizer does)."""
+    if plan.per_replica or mesh.shape.get("sharding", 1) == 1:
+        return False
+    return plan.sharding_stage >= 2 or bool(plan.pipeline is not None and plan.sharding_stage)
 
 
 def place(
@@ -283,36 +366,48 @@ def place(
     abstract_state: TrainState,
     optimizer: optax.GradientTransformation,
     *,
+    model: Loss | None = None,
+    tables: Tables | None = None,
     param_specs: Any = None,
     state_specs: Any = None,
 ) -> Placement:
     """The `Placement` of a train step under `plan` on `mesh`, for a state with the shapes of
-    `abstract_state` (`jax.ShapeDtypeStruct`s) and its `optimizer`. Nothing is computed.
+    `abstract_state` (`jax.ShapeDtypeStruct`s; a per-replica part stacked or not) and its
+    `optimizer`. Nothing is computed.
+
+    The layout's inputs: the plan (its degrees and switches), the parameters' own split
+    (`param_specs`, a `PartitionSpec` per tensor given by the user, else their logical axis
+    names), the model state's (`state_specs`), the step's sparse tables (`tables`, which lay
+    out their rows and slots) and, under a pipeline, the `model` (a `PipelineLayer`: its
+    virtual stages).
 
     Raises:
-      ValueError: if the mesh has an `mp` axis but no parameter is split over it.
+      ValueError: if the mesh has an `mp` axis but no parameter is split over it, or a
+        pipeline's layers do not split into its stages.
       TypeError: if the plan has a pipeline and the parameters are not `PipelineParams`.
     """
     rep = replicated(mesh)
     params = abstract_state.params
+    stacked, scattered = _stacked(plan), _grads_scattered(plan, mesh)
+    order = None if plan.pipeline is None else stage_order(plan, mesh, model, abstract_state)
     if plan.per_replica:
-        stacked = NamedSharding(mesh, PartitionSpec(data_axes(mesh)))
-        params_at = jax.tree.map(lambda _: stacked if plan.replica_params else rep, params)
-        opt_at = in_update = jax.tree.map(lambda _: stacked, abstract_state.opt_state)
+        per_replica = NamedSharding(mesh, PartitionSpec(data_axes(mesh)))
+        params_at = jax.tree.map(lambda _: per_replica if stacked.params else rep, params)
+        opt_at = in_update = jax.tree.map(lambda _: per_replica, abstract_state.opt_state)
         grads = None
     else:
         specs = _tensor_specs(plan, mesh, params, param_specs)
         _check_mp_used(mesh, specs)
         zero = _zero_specs(plan, mesh, specs, params)
-        memory = "pinned_host" if plan.optimizer_offload else "device"
-        opt_specs = _opt_specs(optimizer, abstract_state.opt_state, params, zero)
+        opt_specs = _opt_specs(optimizer, abstract_state.opt_state, params, zero, tables)
         params_at = _shardings(mesh, zero if plan.sharding_stage == 3 else specs)
-        in_update = _host_tables(params, params_at, _shardings(mesh, opt_specs))[1]
-        params_at, opt_at = _host_tables(params, params_at, _shardings(mesh, opt_specs, memory))
-        # A pipeline accumulates its stage's whole gradients anyway and reduce-scatters them
-        # once per step under any ZeRO stage (as Megatron's distributed optimizer does).
-        scattered = plan.sharding_stage >= 2 or (plan.pipeline is not None and plan.sharding_stage)
-        grads = _shardings(mesh, _rows_whole(zero if scattered else specs, params))
+        memory = "pinned_host" if plan.optimizer_offload else "device"
+        in_update = in_host_memory(params, params_at, _shardings(mesh, opt_specs))[1]
+        params_at, opt_at = in_host_memory(params, params_at, _shardings(mesh, opt_specs, memory))
+        grad_specs = zero if scattered else specs
+        if tables is not None:
+            grad_specs = tables.grad_specs(grad_specs, params)
+        grads = _shardings(mesh, grad_specs)
     state = TrainState(
         step=rep,
         params=params_at,
@@ -323,4 +418,7 @@ def place(
             mesh, abstract_state.model_state, state_specs, pipeline=plan.pipeline is not None
         ),
     )
-    return Placement(state, grads, batch_sharding(mesh), in_update)
+    replicas = data_parallel_size(mesh)
+    return Placement(
+        state, grads, batch_sharding(mesh), in_update, stacked, replicas, scattered, order
+    )

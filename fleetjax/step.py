@@ -24,13 +24,13 @@ from jax.sharding import Mesh
 
 from fleetjax import _liveness
 from fleetjax._batch import BatchShapes, abstract_batch, check_batch, place_batch
-from fleetjax._chain import Loss, Signature, grad_chain, stage_order
+from fleetjax._chain import Signature, grad_chain
 from fleetjax._checks import check_model_state, check_params, check_state
 from fleetjax._tables import Tables
-from fleetjax._update import StepSpec, initial_state, train_step, update
+from fleetjax._update import StepSpec, initial_state, replica_state, train_step, update
 from fleetjax.distributed_optimizer import DistributedOptimizer, bind
 from fleetjax.mesh import batch_sharding, replicated
-from fleetjax.placement import Placement, param_shardings
+from fleetjax.placement import Loss, Placement, param_shardings
 from fleetjax.strategy import DistributedStrategy, Strategy
 from fleetjax.train_state import TrainState
 from fleetjax.transforms.pipeline import PipelineLayer
@@ -44,6 +44,11 @@ __all__ = [
     "train_step",
     "update",
 ]
+
+
+def _abstract(tree: Any) -> Any:
+    """`tree`'s shapes and dtypes, without shardings: what specs are found by."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
 class TrainStep:
@@ -60,8 +65,11 @@ class TrainStep:
       loss_fn, optimizer, strategy, plan, mesh: what the step was made from (`optimizer` is
         what trains: the strategy's rebuild of the user's, with gradient merge across calls).
       signature: what the loss takes and returns (`has_aux`, `has_rng`, `has_state`).
-      abstract_state: the shapes and dtypes of the step's state: the one `init` or
-        `abstract_init` made (before either, the first state the step saw), else None.
+      abstract_state, placement: the shapes and dtypes of the step's state, the one `init`
+        or `abstract_init` made, and its `Placement` (None, and an error, before either).
+        They depend on the parameters alone, not on the order of calls; once `init` and
+        `abstract_init` made states of several shapes they are ambiguous (an error), and
+        `spec(state).placement` is each state's.
     """
 
     def __init__(
@@ -78,7 +86,7 @@ class TrainStep:
         self._placing = {"param_specs": param_specs, "state_specs": state_specs}
         self.batch_sharding = batch_sharding(self.mesh)  # the batch split over the data axes
         self._specs: list[tuple[TrainState, StepSpec]] = []  # by state shape
-        self._own: tuple[TrainState, StepSpec] | None = None  # the step's state (see above)
+        self._made_by_init: list[tuple[TrainState, StepSpec]] = []  # init / abstract_init's
         self._compiled: dict[tuple[StepSpec, int | None], Any] = {}  # steps per call (None: 1)
         self._issued: tuple[TrainState, StepSpec] | None = None  # the last state handed out
         self._shapes = BatchShapes()  # the batch shapes compiled for
@@ -91,55 +99,70 @@ class TrainStep:
     # -- specs and placement ---------------------------------------------------------------
     @property
     def abstract_state(self) -> TrainState | None:
-        return None if self._own is None else self._own[0]
+        """The shapes and dtypes of the state `init` / `abstract_init` made (None before)."""
+        return self._own()[0] if self._made_by_init else None
 
     @property
     def placement(self) -> Placement:
         """Where the step's state (`abstract_state`), the gradients and the batch live."""
-        if self._own is None:
+        return self._own()[1].placement
+
+    def _own(self) -> tuple[TrainState, StepSpec]:
+        """The shapes and spec of the state `init` / `abstract_init` made, whatever order
+        they ran in; ambiguous once they made states of several shapes."""
+        if not self._made_by_init:
             raise ValueError(
-                "the placement is known once the step has seen a state: call "
+                "the placement is known once the step has made a state: call "
                 "step.init(params) or step.abstract_init(params) first"
             )
-        return self._own[1].placement
+        if len(self._made_by_init) > 1:
+            raise ValueError(
+                f"this step made states of {len(self._made_by_init)} shapes (init or "
+                "abstract_init with different parameters), so it has no one placement: "
+                "use step.spec(state).placement for the state you mean"
+            )
+        return self._made_by_init[0]
 
     def spec(self, state: Any) -> StepSpec:
         """The `StepSpec` of states like `state` (arrays or `jax.ShapeDtypeStruct`s), made once
         per state shape: its placement computed and its sparse tables found (nothing runs)."""
         if self._issued is not None and state is self._issued[0]:
             return self._issued[1]
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-        for seen, spec in self._specs:
-            if seen == abstract:
-                return spec
-        tables = Tables.find(self.plan, self.mesh, abstract.params)
-        return self._made(abstract, tables)
+        abstract = _abstract(state)
+        tables = lambda: Tables.find(self.plan, self.mesh, abstract.params)  # noqa: E731
+        return self._known(abstract) or self._kept(abstract, self._placed(abstract, tables()))
 
-    def _made(self, abstract: TrainState, tables: Tables | None) -> StepSpec:
+    def _known(self, abstract: TrainState) -> StepSpec | None:
+        return next((spec for seen, spec in self._specs if seen == abstract), None)
+
+    def _placed(self, abstract: TrainState, tables: Tables | None) -> StepSpec:
         made = (self.plan, self.mesh, self.optimizer, self.loss_fn, self.signature)
-        spec = StepSpec.make(*made, abstract, tables, **self._placing)
-        self._specs.append((abstract, spec))
-        self._own = self._own or (abstract, spec)
+        return StepSpec.make(*made, abstract, tables, **self._placing)
+
+    def _kept(self, shapes: TrainState, spec: StepSpec) -> StepSpec:
+        """`spec`, kept as the spec of states of `shapes`."""
+        self._specs.append((shapes, spec))
         return spec
 
     def _initial(self, params: Any, seed: int | jax.Array, model_state: Any, abstract: bool):
-        """(the initial state's function of (params, rng, model_state), its inputs, its spec):
-        with the step's state set to its shapes."""
+        """(the inputs (params, rng, model_state) of `initial_state`, the state's spec, its
+        shapes), noting them as a state `init` / `abstract_init` made."""
         check_model_state(self.signature.has_state, model_state)
         check_params(params)
-        params, model_state = stage_order(params, model_state, self.plan, self.loss_fn, self.mesh)
         if isinstance(seed, int):
             key = lambda: jax.random.PRNGKey(seed)  # noqa: E731
             rng = jax.eval_shape(key) if abstract else key()
         else:
             rng = seed if abstract else jnp.asarray(seed)
-        tables = Tables.find(self.plan, self.mesh, params)
-        fn = functools.partial(initial_state, self.plan, self.mesh, self.optimizer, tables)
-        shapes = jax.eval_shape(fn, params, rng, model_state)
-        found = [spec for seen, spec in self._specs if seen == shapes]
-        spec = found[0] if found else self._made(shapes, tables)
-        self._own = (shapes, spec)
-        return fn, (params, rng, model_state), spec
+        inputs, tables = (params, rng, model_state), Tables.find(self.plan, self.mesh, params)
+        # Placed from one replica's state (the step keeps some parts once per replica).
+        one = functools.partial(replica_state, self.plan, self.optimizer, tables)
+        spec = self._placed(jax.eval_shape(one, *inputs), tables)
+        shapes = jax.eval_shape(functools.partial(initial_state, spec), *inputs)
+        spec = self._known(shapes) or self._kept(shapes, spec)
+        if all(seen != shapes for seen, _ in self._made_by_init):
+            self._made_by_init.append((shapes, spec))
+        return inputs, spec, shapes
 
     # -- the public surface ----------------------------------------------------------------
     def abstract_init(
@@ -148,13 +171,12 @@ class TrainStep:
         """The shapes and dtypes of `init(params, seed, model_state)`'s state
         (`jax.ShapeDtypeStruct`s; nothing is computed or placed). `params` may be arrays or
         `jax.ShapeDtypeStruct`s, e.g. to `lower` the step for devices that are not there."""
-        self._initial(params, seed, model_state, abstract=True)
-        return self.abstract_state
+        return self._initial(params, seed, model_state, abstract=True)[2]
 
     def init(self, params: Any, seed: int | jax.Array = 0, model_state: Any = None) -> TrainState:
         """The initial state: `params` placed, a fresh optimizer state, the step key from `seed`
         (an int, or raw key data) and, with `has_state`, the `model_state` placed."""
-        fn, (params, rng, model_state), spec = self._initial(params, seed, model_state, False)
+        (params, rng, model_state), spec, _ = self._initial(params, seed, model_state, False)
         # Each device receives only its part (under ZeRO-3, 1/N of each parameter).
         params_in = param_shardings(self.plan, self.mesh, params, self._placing["param_specs"])
         placed = jax.device_put(
@@ -162,7 +184,8 @@ class TrainStep:
             (params_in, replicated(self.mesh), spec.placement.model_state),
         )
         with jax.set_mesh(self.mesh), _liveness.busy():  # compiling: progress to fleetjax-run
-            state = jax.jit(fn, out_shardings=spec.placement.state)(*placed)
+            fresh = functools.partial(initial_state, spec)
+            state = jax.jit(fresh, out_shardings=spec.placement.state)(*placed)
         self._issued = (state, spec)
         return state
 
@@ -180,7 +203,7 @@ class TrainStep:
     def _called(self, state: TrainState, batch: Any, steps: int | None = None) -> tuple:
         """The compiled step on `state` and `batch`, after checking a state it did not issue."""
         issued = self._issued is not None and state is self._issued[0]
-        spec = self.spec(state) if issued or self._own is None else self._checked(state)
+        spec = self.spec(state) if issued or not self._made_by_init else self._checked(state)
         compiled = self._compiled_for(spec, steps)
         # Layers constrain activations by logical name against the ambient mesh; each step is
         # progress for fleetjax-run's hang watch, and so is the first call's compiling.
@@ -191,9 +214,9 @@ class TrainStep:
 
     def _checked(self, state: TrainState) -> StepSpec:
         """The spec of a state the step did not issue, after checking it fits one it knows
-        (else the step's own: the error says how it differs)."""
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-        seen, spec = next(((a, s) for a, s in self._specs if a == abstract), self._own)
+        (else one `init` made: the error says how it differs)."""
+        abstract = _abstract(state)
+        seen, spec = next(((a, s) for a, s in self._specs if a == abstract), self._made_by_init[0])
         check_state(state, seen, spec.placement.state)
         return spec
 

@@ -190,9 +190,9 @@ class Layout:
 
     @classmethod
     def of(cls, step: TrainStep) -> Layout:
-        """The layout a train step runs (its model's form is not in the step:
-        `sequence_parallel` False)."""
-        shape, p = step.mesh.shape, step.plan
+        """The layout a train step runs, after its `abstract_init` (its model's form is not
+        in the step: `sequence_parallel` False)."""
+        shape, p, order = step.mesh.shape, step.plan, step.placement.stage_order
         merge = p.gradient_merge
         micro = p.pipeline.accumulate_steps if p.pipeline else merge.k_steps if merge else 1
         return cls(
@@ -203,9 +203,7 @@ class Layout:
             pp=shape["pp"],
             recompute=p.recompute is not None,
             micro_batches=micro,
-            vpp=max(1, p.pipeline.vpp_degree, step.loss_fn.num_virtual_pipeline_stages)
-            if p.pipeline
-            else 1,
+            vpp=1 if order is None else order.vpp,
             offload=p.optimizer_offload,
             cp=shape.get("cp", 1),
         )

@@ -150,8 +150,8 @@ class _Planner:
         XLA's message."""
         try:
             step = self.step(strategy, layout)
-            layout = layout or Layout.of(step)
             state = step.abstract_init(self.params)
+            layout = layout or Layout.of(step)
             bytes_by_formula = formula(step)
             note = "" if always_compile else self.over_by_formula(layout, bytes_by_formula)
             if note:

@@ -236,7 +236,7 @@ class Trainer:
         return self.metrics["loss"]
 
     def _first_replica(self, params: Any) -> Any:
-        if self.train_step.plan.replica_params:
+        if self.train_step.placement.stacked.params:
             return jax.tree.map(lambda x: x[0], params)
         return params
 

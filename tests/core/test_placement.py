@@ -66,6 +66,13 @@ def test_each_zero_stage_splits_one_more_part(stage, params, grads, moments):
     assert placement.opt_state[0].mu["w"].spec == moments
     assert placement.opt_state[0].mu["b"].spec == P()  # under ZERO_MIN_ELEMENTS: whole
     assert placement.opt_state[0].count.spec == P()
+    assert placement.scattered == (stage >= 2) and not placement.per_replica
+
+
+def test_gradients_are_scattered_only_over_a_sharding_axis_with_devices():
+    mesh, tx = build_mesh(dp=8), optax.adam(1e-3)
+    placement = place(Plan(sharding_stage=2), mesh, abstract_state(tx), tx)
+    assert not placement.scattered and placement.grads["w"].spec == P()
 
 
 def test_an_offloaded_optimizer_state_is_fetched_to_the_device_for_the_update():
@@ -84,6 +91,39 @@ def test_a_per_replica_optimizer_stacks_its_state_on_the_replicas():
     assert placement.grads is None  # each replica keeps its own
     assert placement.params["w"].spec == P(("dp", "sharding"))
     assert all(s.spec == P(("dp", "sharding")) for s in jax.tree.leaves(placement.opt_state))
+    assert placement.stacked == fleetjax.TrainState(False, True, True, False, False, False)
+    assert placement.replicas == 8 and not placement.scattered
+    # One replica's state places the same: the placement does not read the stacked axis.
+    assert place(plan, mesh, abstract_state(tx), tx) == placement
+
+
+def test_dgc_stacks_its_state_but_not_the_parameters():
+    s = fleetjax.DistributedStrategy(dgc=True)
+    plan, mesh, tx = fleetjax.read_plan(s), build_mesh(dp=8), fleetjax.optimizers.momentum(0.1)
+    placement = place(plan, mesh, abstract_state(tx, stacked=8), tx)
+    assert placement.stacked == fleetjax.TrainState(False, False, True, False, False, False)
+    assert placement.params["w"].spec == P()
+
+
+def pipeline_state(tx, layers):
+    params = fleetjax.PipelineParams(
+        embed={"w": jax.ShapeDtypeStruct((16, 16), jnp.float32)},
+        layers={"w": jax.ShapeDtypeStruct((layers, 16, 16), jnp.float32)},
+        head={"w": jax.ShapeDtypeStruct((16, 4), jnp.float32)},
+    )
+    return abstract_state(tx, params)
+
+
+def test_a_pipeline_keeps_its_stage_order_and_scatters_under_any_zero_stage():
+    mesh, tx = build_mesh(dp=1, sharding=2, pp=4), optax.adam(1e-3)
+    pipeline = fleetjax.plan.Pipeline("VPP", 1, 8, 2)
+    plan = Plan(degrees=Degrees(dp=1, sharding=2, pp=4), pipeline=pipeline, sharding_stage=1)
+    placement = place(plan, mesh, pipeline_state(tx, 8), tx)
+    assert placement.stage_order == fleetjax.placement.StageOrder(stages=4, vpp=2)
+    assert placement.params.layers["w"].spec == P("pp")
+    assert placement.scattered
+    with pytest.raises(ValueError, match=r"6 layers, which do not split into .* 4 x 2"):
+        place(plan, mesh, pipeline_state(tx, 6), tx)
 
 
 def test_tensor_parallel_follows_param_specs_and_needs_an_mp_split():

@@ -323,25 +323,38 @@ def test_the_step_is_a_pure_function_of_its_spec():
 
 
 def test_the_placement_does_not_depend_on_the_order_of_calls():
-    """A step lowered for a state of another shape keeps its own state's placement, and
-    the compiled step of each shape (it dropped them, and placed by whichever came last)."""
+    """A step's placement is its parameters', whatever order `init`, `abstract_init` and
+    `lower` ran in; each state shape has its own spec and compiled step, and a step that made
+    states of two shapes has no one placement (an error says what to use instead)."""
     small, large = make_params(), {**make_params(), "w1": np.zeros((16, 64), np.float32)}
     large["b1"], large["w2"] = np.zeros(64, np.float32), np.zeros((64, 4), np.float32)
     batch = make_batch()
+    other = fleetjax.make_train_step(loss_fn, optax.sgd(0.1)).abstract_init(large)
+
     step = fleetjax.make_train_step(loss_fn, optax.sgd(0.1))
     state = step.init(small)
     placement, compiled = step.placement, step.compiled(state)
-    other = step.abstract_init(large)
-    assert step.abstract_state == other and step.placement is not placement
-    state = step.init(small)
-    assert step.placement is placement and step.compiled(state) is compiled
     step.lower(other, batch)  # another shape: its own spec, the step's state unchanged
     assert step.placement is placement and step.compiled(state) is compiled
     assert step.spec(other) is not step.spec(state)
     state, _ = step(state, batch)
     assert step.compiled(state) is compiled
+    step.abstract_init(small)  # the same shape again: the same spec
+    assert step.placement is placement
 
     lowered_first = fleetjax.make_train_step(loss_fn, optax.sgd(0.1))
     lowered_first.lower(other, batch)
+    with pytest.raises(ValueError, match=r"call step.init\(params\) or step.abstract_init"):
+        _ = lowered_first.placement
     lowered_first.init(small)
     assert lowered_first.placement.params == placement.params
+
+    for first, second in [(small, large), (large, small)]:
+        both = fleetjax.make_train_step(loss_fn, optax.sgd(0.1))
+        both.abstract_init(first)
+        made = both.init(second)
+        with pytest.raises(ValueError, match=r"made states of 2 shapes .* step.spec\(state\)"):
+            _ = both.placement
+        assert both.spec(made).placement.params == (
+            placement.params if second is small else step.spec(other).placement.params
+        )

@@ -136,20 +136,30 @@ class _Planner:
             self.add(Step("gather", axis, dim))
         return True
 
+    def sum_pending(self, defer: bool) -> None:
+        """Do the pending sums the target has not: a reduce-scatter where the axis can join
+        its target dimension now, else an all-reduce (unless `defer`, when that dimension is
+        still to be freed)."""
+        for axis in sorted(self.partial - self.target.partial):
+            to = self.owner(axis)
+            if to is not None and self.ready(axis, to):
+                self.add(Step("reduce_scatter", axis, to))
+            elif to is None or not defer:
+                self.add(Step("reduce", axis))
+
 
 @functools.lru_cache(maxsize=1024)
 def plan(source: Layout, target: Layout) -> tuple[Step, ...]:
     """The steps from `source` to `target`, one per mesh axis that changes (two where a
-    co-shard's order forces a gather and a slice)."""
+    co-shard's order forces a gather and a slice). Sums and all-to-alls come before gathers,
+    which grow what the later steps move."""
     p = _Planner(source, target)
     p.slice_free()
+    p.sum_pending(defer=True)
     while extra := p.extra():
         if not any(p.leave(dim, move_only=True) for dim in extra):
             p.leave(extra[0], move_only=False)
-    while pending := sorted(p.partial - target.partial):
-        scatter = [(a, p.owner(a)) for a in pending if p.owner(a) is not None]
-        scatter = [(a, to) for a, to in scatter if p.ready(a, to)]
-        p.add(Step("reduce_scatter", *scatter[0]) if scatter else Step("reduce", pending[0]))
+    p.sum_pending(defer=False)
     for axis in sorted(target.partial - p.partial):
         p.add(Step("keep_on_first", axis))
     reached = Layout(tuple(tuple(d) for d in p.dims), frozenset(p.partial))

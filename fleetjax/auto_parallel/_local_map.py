@@ -11,7 +11,12 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
-from fleetjax.auto_parallel._placements import Placement, ReduceType, partition_spec
+from fleetjax.auto_parallel._placements import (
+    Placement,
+    ReduceType,
+    check_placements,
+    partition_spec,
+)
 from fleetjax.auto_parallel._process_mesh import ProcessMesh, get_mesh
 from fleetjax.auto_parallel._tensor import (
     average_parts,
@@ -75,6 +80,13 @@ def _input(
     if held is None or list(wanted) != held:
         leaf = place_as(leaf, mesh, spec)
     return leaf, spec
+
+
+def _pending(value: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """`value` typed as varying along `axes`, the mesh axes of its pending sum: a value equal
+    on every device there is still one part per device (its sum counts each), as in Paddle."""
+    missing = tuple(a for a in axes if a not in jax.typeof(value).mat.varying)
+    return jax.lax.pcast(value, missing, to="varying") if missing else value
 
 
 def local_map(
@@ -142,7 +154,16 @@ def _run(
     """`func` under `shard_map`, its outputs placed as `out_placements`."""
     out_tree: list[Any] = []
     sizes = list(mesh.axis_sizes)
+    names = list(mesh.axis_names)
+    out_placements = [
+        None if p is None else check_placements(p, names, f"local_map's output {number}")
+        for number, p in enumerate(out_placements)
+    ]
     scales = [1 if p is None else average_parts(p, sizes) for p in out_placements]
+    summed = [
+        () if p is None else tuple(n for n, q in zip(names, p, strict=True) if q.is_partial())
+        for p in out_placements
+    ]
 
     def flat(*values: Any) -> tuple[Any, ...]:
         given = iter(values)
@@ -154,7 +175,10 @@ def _run(
                 f"local_map: {len(out_placements)} out_placements for {len(outputs)} outputs "
                 "(the function's results flattened)"
             )
-        return tuple(o / n if n > 1 else o for o, n in zip(outputs, scales, strict=True))
+        return tuple(
+            _pending(o / n if n > 1 else o, axes)
+            for o, n, axes in zip(outputs, scales, summed, strict=True)
+        )
 
     local = jax.eval_shape(
         jax.shard_map(
@@ -162,7 +186,6 @@ def _run(
         ),
         *placed,
     )
-    names = list(mesh.axis_names)
     out_specs = []
     for number, (o, p) in enumerate(zip(local, out_placements, strict=True)):
         what = f"local_map's output {number}"

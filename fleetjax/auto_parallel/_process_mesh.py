@@ -230,10 +230,11 @@ def known_mesh(abstract: AbstractMesh) -> ProcessMesh:
 _GLOBAL_MESH: list[ProcessMesh | None] = [None]
 
 
-def set_mesh(mesh: ProcessMesh) -> None:
+def set_mesh(mesh: ProcessMesh | None) -> None:
     """Paddle's `paddle.distributed.set_mesh`: the global mesh (`get_mesh`), which fleetjax's
-    auto-parallel functions use where no mesh is given (`local_map` without inputs on one)."""
-    if not isinstance(mesh, ProcessMesh):
+    auto-parallel functions use where no mesh is given (`local_map` without inputs on one);
+    None unsets it."""
+    if mesh is not None and not isinstance(mesh, ProcessMesh):
         raise TypeError(f"set_mesh takes a ProcessMesh, got {mesh!r}")
     _GLOBAL_MESH[0] = mesh
 

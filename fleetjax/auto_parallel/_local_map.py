@@ -191,7 +191,7 @@ def _run(
         what = f"local_map's output {number}"
         shape = global_shape(p, names, sizes, np.shape(o), what) if p is not None else ()
         out_specs.append(PartitionSpec() if p is None else _spec(p, mesh, shape, what))
-    results = jax.shard_map(flat, mesh=mesh, in_specs=tuple(specs), out_specs=tuple(out_specs))(
-        *placed
-    )
+    # jitted: outside a traced function shard_map would run each operation on its own
+    mapped = jax.shard_map(flat, mesh=mesh, in_specs=tuple(specs), out_specs=tuple(out_specs))
+    results = jax.jit(mapped)(*placed)
     return jax.tree.unflatten(out_tree[0], results)

@@ -9,9 +9,9 @@ import pytest
 from hlo import collectives
 
 import fleetjax.distributed as dist
-from fleetjax.auto_parallel import COLLECTIVE, Layout, plan
+from fleetjax.auto_parallel import COLLECTIVE, Layout, plan, tables
 
-MESH = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], dim_names=["x", "y"])
+MESH = dist.ProcessMesh([[0, 1, 2, 3], [4, 5, 6, 7]], dim_names=["dp", "mp"])
 R, P, S = dist.Replicate(), dist.Partial(), dist.Shard
 SHAPE = (8, 16)
 FULL = np.arange(128, dtype=np.float32).reshape(SHAPE)
@@ -32,12 +32,18 @@ TRANSITIONS = {
         [S(0), R],
         [("reduce-scatter", 2, BYTES // 8), ("all-gather", 4, BYTES // 2)],
     ),
-    "y S(1)->S(0) under x S(0)": (
+    "mp S(1)->S(0) under dp S(0)": (
         [S(0), S(1)],
         [S(0), S(0)],
         [("all-to-all", 4, BYTES // 8)],
     ),
     "co-shard to one axis": ([S(0), S(0)], [S(0), R], [("all-gather", 4, BYTES // 2)]),
+    # the sum first: gathering mp first would all-reduce the whole tensor, 4x the bytes
+    "sums before gathers": (
+        [P, S(1)],
+        [R, R],
+        [("all-reduce", 2, BYTES // 4), ("all-gather", 4, BYTES)],
+    ),
 }
 
 
@@ -64,6 +70,18 @@ def test_each_transition_keeps_the_values_eagerly_and_in_jit(name):
     for y in (dist.reshard(x, MESH, target), jax.jit(lambda a: dist.reshard(a, MESH, target))(x)):
         assert y.placements == placed(target).placements
         np.testing.assert_array_equal(np.asarray(dist.unshard_dtensor(y)), FULL)
+
+
+def test_the_docs_table_is_what_xla_compiles():
+    """docs/auto_parallel.md's reshard rows (fleetjax.auto_parallel.tables, from the plan) are
+    transitions above, whose compiled collectives the first test reads."""
+    rows = [(source, target) for source, target, _ in TRANSITIONS.values()]
+    mesh = tuple(zip(MESH.dim_names, MESH.shape, strict=True))
+    assert (SHAPE, mesh) == (tables.SHAPE, tables.MESH)
+    for source, target in tables.RESHARDS:
+        assert (source, target) in rows
+    for source, target, expected in TRANSITIONS.values():
+        assert [tuple(c) for c in tables.collectives(source, target)] == expected
 
 
 def test_the_plan_names_one_collective_per_changed_axis():
@@ -97,8 +115,3 @@ def test_a_reshard_to_another_mesh_copies_the_values():
     np.testing.assert_array_equal(np.asarray(y), FULL)
     with pytest.raises(ValueError, match="moves within its mesh only"):
         jax.jit(lambda a: dist.reshard(a, other, [S(0)]))(placed([S(0), R]))
-
-
-def test_sums_come_before_gathers():
-    # gathering y first would all-reduce the whole tensor: 4x the bytes
-    assert compiled([P, S(1)], [R, R]) == [("all-reduce", 2, BYTES // 4), ("all-gather", 4, BYTES)]

@@ -211,3 +211,10 @@ def test_local_map_needs_a_mesh():
         assert dist.local_map(lambda t: t * 2, [[S(0)]])(np.ones(2)).placements == [S(0)]
     finally:
         dist.set_mesh(None)
+
+
+def test_conflicting_operands_are_an_error_not_a_silent_reshard():
+    x = dist.shard_tensor(W, MESH, [S(0), R])
+    w = dist.shard_tensor(np.ones((8, 8), np.float32), MESH, [S(1), R])
+    with pytest.raises(Exception, match="illegally sharded result"):
+        jax.jit(lambda a, b: a @ b)(x, w)

@@ -61,6 +61,7 @@ def test_a_parameter_stays_a_parameter():
     param = nnx.Param(jnp.asarray(W))
     placed = dist.shard_tensor(param, MESH, [R, S(1)])
     assert isinstance(placed, nnx.Param) and placed[...].placements == [R, S(1)]
+    assert placed.placements == [R, S(1)]  # read through the Variable, as a Paddle parameter
 
 
 def test_paddles_device_and_gradient_arguments_warn():

@@ -14,10 +14,12 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from fleetjax.auto_parallel._placements import (
     Placement,
     ReduceType,
+    Replicate,
     check_placements,
     partition_spec,
 )
 from fleetjax.auto_parallel._process_mesh import ProcessMesh, get_mesh
+from fleetjax.auto_parallel._reshard import Layout
 from fleetjax.auto_parallel._tensor import (
     average_parts,
     global_shape,
@@ -67,19 +69,17 @@ def _input(
     sharding = sharding_of(leaf)
     if held is not None and sharding.mesh not in (mesh, getattr(mesh, "abstract_mesh", mesh)):
         raise ValueError(f"{what} is on another mesh ({dict(sharding.mesh.shape)}) than {mesh}")
-    if wanted is None:
-        wanted = held if held is not None else []
-    if not wanted:  # not distributed: every device sees all of it
-        return leaf, PartitionSpec()
+    if wanted is None:  # as it is; an array no mesh places: whole on every device
+        wanted = held if held is not None else [Replicate()] * len(mesh.axis_names)
     spec = _spec(wanted, mesh, np.shape(leaf), what)
-    if held is not None and list(wanted) != held and not reshard:
+    rank = np.ndim(leaf)
+    moved = held is None or Layout.of(sharding.spec, rank) != Layout.of(spec, rank)
+    if held is not None and moved and not reshard:
         raise ValueError(
             f"{what} is placed as {held}, the function takes it as {list(wanted)}: reshard "
             "it first, or pass reshard_inputs=True"
         )
-    if held is None or list(wanted) != held:
-        leaf = place_as(leaf, mesh, spec)
-    return leaf, spec
+    return (place_as(leaf, mesh, spec) if moved else leaf), spec
 
 
 def _pending(value: jax.Array, axes: tuple[str, ...]) -> jax.Array:

@@ -219,3 +219,12 @@ def test_conflicting_operands_are_an_error_not_a_silent_reshard():
     w = dist.shard_tensor(np.ones((8, 8), np.float32), MESH, [S(1), R])
     with pytest.raises(Exception, match="illegally sharded result"):
         jax.jit(lambda a, b: a @ b)(x, w)
+
+
+def test_local_map_takes_arrays_on_one_device_and_co_shards_as_they_are():
+    on_device_3 = jax.device_put(W, jax.devices()[3])
+    doubled = dist.local_map(lambda t: t * 2, [[R, R]], process_mesh=MESH)(on_device_3)
+    np.testing.assert_array_equal(np.asarray(doubled), W * 2)
+    co_sharded = dist.shard_tensor(W, MESH, [S(1), S(1)])  # reads back with its shard_orders
+    same = dist.local_map(lambda t: t, [[S(1), S(1)]], in_placements=[[S(1), S(1)]])
+    assert same(co_sharded).placements == co_sharded.placements

@@ -13,7 +13,9 @@ state, metrics = step(state, batch)
 
 from fleetjax import (
     auto,
+    auto_parallel,
     checkpoint,
+    distributed,
     export,
     fleet,
     hlo,
@@ -85,9 +87,11 @@ __all__ = [
     "UnknownFieldError",
     "applied_strategy",
     "auto",
+    "auto_parallel",
     "build_mesh",
     "checkpoint",
     "checkpoint_name",
+    "distributed",
     "distributed_model",
     "distributed_optimizer",
     "explain",

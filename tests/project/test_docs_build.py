@@ -51,6 +51,9 @@ PUBLIC_MODULES = (
     "fleetjax.targets",
     "fleetjax.cost",
     "fleetjax.knobs",
+    "fleetjax.auto_parallel",
+    "fleetjax.auto_parallel.tables",
+    "fleetjax.distributed",
 )
 
 

@@ -42,6 +42,19 @@ _NO_EXECUTOR = (
 )
 
 
+# Paddle's dygraph optimizer calls: they need a model's training state, which the fleet holds.
+_DYGRAPH_CALLS = (
+    "minimize",
+    "backward",
+    "step",
+    "clear_grad",
+    "state_dict",
+    "set_state_dict",
+    "get_lr",
+    "set_lr",
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class FleetOptimizer(DistributedOptimizer):
     """What `fleet.distributed_optimizer` returns: a `DistributedOptimizer` (it goes to
@@ -60,6 +73,16 @@ class FleetOptimizer(DistributedOptimizer):
     """
 
     fleet: Fleet = dataclasses.field(repr=False, compare=False)
+
+    @classmethod
+    def _elsewhere(cls, name: str) -> str | None:
+        if name not in _DYGRAPH_CALLS:
+            return None
+        return (
+            "Paddle's dygraph calls act on a model's training state, which this value does not "
+            "hold; use the optimizer that fleet.distributed_optimizer returns (after "
+            "fleet.init), whose calls act on the fleet's Trainer, or a fleetjax.fleet.Trainer"
+        )
 
     def _bound(self) -> Fleet:
         if self.fleet._optimizer is not self:

@@ -3,11 +3,12 @@ knob's kind and its effect in fleetjax (which `fleetjax.knobs` makes docs/knobs.
 
 One module per family of messages:
 
-* `distributed`: `DISTRIBUTED_STRATEGY`, Paddle's `message DistributedStrategy` (3.3.1, plus the
-  2.x fields it dropped), so that Paddle prototxt files load and ours load in Paddle;
+* `core`: the core strategy, `DISTRIBUTED_STRATEGY` (Paddle's `message DistributedStrategy`,
+  3.3.1, plus the 2.x fields it dropped, so that Paddle prototxt files load and ours load in
+  Paddle), with its optimizer switches' configs (a switch's flag and configs side by side);
   `seed_default_differences()`.
-* `core`: the core switches' configs (recompute, AMP, gradient merge, LocalSGD, DGC, LARS, LAMB,
-  QAT, gradient scaling).
+* `transforms`: the gradient transforms' configs (recompute, AMP, gradient merge, gradient
+  scaling, QAT).
 * `hybrid`: hybrid parallelism and the pipeline (`hybrid_configs` and its sub-messages, the
   static `sharding_configs`, `pipeline_configs`, `tensor_parallel_configs`).
 * `parameter_server`: `a_sync_configs`, the tables (`downpour_table_param`, which
@@ -46,18 +47,14 @@ from fleetjax._schema.auto import (
 from fleetjax._schema.build import BUILD_STRATEGY, EXECUTION_STRATEGY
 from fleetjax._schema.core import (
     ADAPTIVE_LOCALSGD_CONFIG,
-    AMP_CONFIG,
     DGC_CONFIG,
-    GRADIENT_MERGE_CONFIG,
-    GRADIENT_SCALE_CONFIG,
+    DISTRIBUTED_STRATEGY,
     LAMB_CONFIG,
     LARS_CONFIG,
     LOCALSGD_CONFIG,
-    QAT_CONFIG,
-    RECOMPUTE_CONFIG,
-    REFINED_OPS_PATTERN,
+    MODE,
+    seed_default_differences,
 )
-from fleetjax._schema.distributed import DISTRIBUTED_STRATEGY, MODE, seed_default_differences
 from fleetjax._schema.hybrid import (
     DYGRAPH_SHARDING_CONFIG,
     HYBRID_CONFIG,
@@ -82,6 +79,14 @@ from fleetjax._schema.parameter_server import (
     TABLE_PARAMETER,
     TABLE_TYPE,
     TRAINER_DESC_CONFIG,
+)
+from fleetjax._schema.transforms import (
+    AMP_CONFIG,
+    GRADIENT_MERGE_CONFIG,
+    GRADIENT_SCALE_CONFIG,
+    QAT_CONFIG,
+    RECOMPUTE_CONFIG,
+    REFINED_OPS_PATTERN,
 )
 
 __all__ = [

@@ -23,7 +23,7 @@ from fleetjax._schema._shared import (
     positive,
     remat_policy,
 )
-from fleetjax._schema.core import REFINED_OPS_PATTERN, loss_scaling
+from fleetjax._schema.transforms import REFINED_OPS_PATTERN, loss_scaling
 
 _ZERO_EVEN = (
     "ZeRO here splits every large tensor evenly over the sharding axis (zero_spec) "

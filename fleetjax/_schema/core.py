@@ -1,192 +1,42 @@
-"""The core switches' configs of `DistributedStrategy`: recompute, AMP, gradient merge, LocalSGD
-and Adaptive LocalSGD, DGC, LARS, LAMB, QAT and gradient scaling (Paddle's `*_configs`
-messages of `distributed_strategy.proto`)."""
+"""The core strategy: `DISTRIBUTED_STRATEGY`, `message DistributedStrategy` of Paddle's
+`distributed_strategy.proto` (3.3.1, plus the 2.x fields it dropped), so that Paddle prototxt
+files load and ours load in Paddle; and the configs of its optimizer switches (LocalSGD,
+Adaptive LocalSGD, DGC, LARS, LAMB), so that a switch's flag and configs are in one file.
+Defaults are Paddle's, except where the seed documents say otherwise; those fields carry
+`paddle_default` and are listed by `seed_default_differences()`."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from fleetjax._config import FieldSpec, between, field, greater_than, message, one_of
+from fleetjax._config import Enum, MessageSpec, field, greater_than, message, one_of
 from fleetjax._schema._shared import (
-    RECOMPUTE_POLICY,
+    AMP,
+    EXPLAIN_REMOVED,
+    PS,
+    STATIC,
     half,
-    merge_mode,
     non_negative,
     positive,
-    remat_policy,
     sparsity,
 )
-
-_QAT_OFF = "Quantization-aware training is not implemented (`qat` raises)."
-
-
-REFINED_OPS_PATTERN = message(
-    "RefinedOpsPattern",
-    "refined_ops_patterns",
-    [
-        field(1, "main_ops", str, []),
-        field(2, "num", int, 0),
-        field(3, "pre_ops", str, []),
-        field(4, "suf_ops", str, []),
-    ],
+from fleetjax._schema.build import BUILD_STRATEGY, EXECUTION_STRATEGY
+from fleetjax._schema.hybrid import (
+    HYBRID_CONFIG,
+    PIPELINE_CONFIG,
+    SHARDING_CONFIG,
+    TENSOR_PARALLEL_CONFIG,
 )
-
-RECOMPUTE_CONFIG = message(
-    "RecomputeConfig",
-    "recompute_configs",
-    [
-        field(
-            1,
-            "checkpoints",
-            str,
-            [],
-            doc=("The activations (named with `fleetjax.checkpoint_name`) that recompute keeps."),
-        ),
-        field(
-            2,
-            "enable_offload",
-            bool,
-            False,
-            doc=(
-                "Kept activations go to pinned host memory (`save_and_offload_only_these_names`)."
-            ),
-        ),
-        field(
-            3,
-            "checkpoint_shape",
-            int,
-            [],
-            check=positive,
-            doc="The shape of the kept activations, checked against them.",
-        ),
-        field(4, "enable_tuning", bool, False, note=RECOMPUTE_POLICY, kind="not yet"),
-        field(
-            5,
-            "refined_ops_patterns",
-            REFINED_OPS_PATTERN,
-            [],
-            note=RECOMPUTE_POLICY,
-            kind="not yet",
-        ),
-        # fleetjax: a named jax.checkpoint_policies policy, alone or with the checkpoints.
-        field(
-            1001,
-            "policy",
-            str,
-            "",
-            paddle=False,
-            check=remat_policy,
-            doc=(
-                "fleetjax extension: a `jax.checkpoint_policies` name, alone or with `checkpoints`."
-            ),
-        ),
-    ],
+from fleetjax._schema.parameter_server import (
+    ASYNC_CONFIG,
+    FS_CLIENT_PARAMETER,
+    TABLE_PARAMETER,
+    TRAINER_DESC_CONFIG,
 )
-
-
-def loss_scaling(first: int, **decr_ratio: Any) -> list[FieldSpec]:
-    """The loss-scaling fields both AMP sections have, numbered from `first`; `decr_ratio` is
-    the default (and Paddle's default) of that one."""
-    return [
-        field(
-            first,
-            "init_loss_scaling",
-            float,
-            32768.0,
-            check=greater_than(0),
-            doc="The initial loss scale.",
-        ),
-        field(
-            first + 1,
-            "incr_every_n_steps",
-            int,
-            1000,
-            check=positive,
-            doc="Finite steps before the loss scale grows.",
-        ),
-        field(
-            first + 2,
-            "decr_every_n_nan_or_inf",
-            int,
-            2,
-            check=positive,
-            doc="Non-finite steps before the loss scale shrinks.",
-        ),
-        field(
-            first + 3,
-            "incr_ratio",
-            float,
-            2.0,
-            check=greater_than(1),
-            doc="The loss scale's growth factor.",
-        ),
-        field(
-            first + 4,
-            "decr_ratio",
-            float,
-            check=between(0, 1),
-            doc="The loss scale's shrink factor.",
-            **decr_ratio,
-        ),
-    ]
-
-
-AMP_CONFIG = message(
-    "AMPConfig",
-    "amp_configs",
-    [
-        *loss_scaling(1, default=0.5, paddle_default=0.8),
-        field(
-            6,
-            "use_dynamic_loss_scaling",
-            bool,
-            True,
-            doc=("Dynamic loss scaling (skip non-finite steps); False keeps the scale fixed."),
-        ),
-        field(7, "custom_white_list", str, [], doc="Operations added to the half-precision list."),
-        field(8, "custom_black_list", str, [], doc="Operations kept in float32."),
-        field(
-            9,
-            "custom_black_varnames",
-            str,
-            [],
-            doc="Named values (`checkpoint_name`) whose consumers stay float32.",
-        ),
-        field(
-            10,
-            "use_pure_fp16",
-            bool,
-            False,
-            doc="O2: float16 parameters for compute, float32 master weights.",
-        ),
-        field(
-            11,
-            "use_fp16_guard",
-            bool,
-            True,
-            doc=("Under pure float16, only code inside `fleetjax.fp16_guard` runs in float16."),
-        ),
-        field(
-            12,
-            "use_optimizer_fp16",
-            bool,
-            False,
-            note="not read by Paddle's fleet either; optimizer states stay float32",
-            kind="not yet",
-        ),
-        field(13, "use_pure_bf16", bool, False, doc="O2 in bfloat16."),
-        # fleetjax: the O1 half-precision dtype (Paddle's static O1 is float16 only).
-        field(
-            1001,
-            "dtype",
-            str,
-            "float16",
-            paddle=False,
-            check=half,
-            doc=("fleetjax extension: the O1 half-precision dtype, `float16` or `bfloat16`."),
-        ),
-    ],
-    hints={"use_bf16": "the bf16 switch is 'use_pure_bf16'"},
+from fleetjax._schema.transforms import (
+    AMP_CONFIG,
+    GRADIENT_MERGE_CONFIG,
+    GRADIENT_SCALE_CONFIG,
+    QAT_CONFIG,
+    RECOMPUTE_CONFIG,
 )
 
 LOCALSGD_CONFIG = message(
@@ -201,40 +51,6 @@ LOCALSGD_CONFIG = message(
             1,
             check=non_negative,
             doc="Every step is averaged before this step.",
-        ),
-    ],
-)
-
-GRADIENT_MERGE_CONFIG = message(
-    "GradientMergeConfig",
-    "gradient_merge_configs",
-    [
-        field(1, "k_steps", int, 1, check=positive, doc="Micro-steps merged into one update."),
-        field(
-            2,
-            "avg",
-            bool,
-            True,
-            doc=(
-                "Mean (True) or sum of the merged gradients. In one step under the "
-                "pipeline always the mean, as in Paddle (False warns)."
-            ),
-        ),
-        # fleetjax: "across_calls" (Paddle's: the optimizer runs every k calls) or "in_step"
-        # (each call splits its batch into k micro-batches).
-        field(
-            1001,
-            "mode",
-            str,
-            "across_calls",
-            paddle=False,
-            check=merge_mode,
-            doc=(
-                "fleetjax extension: `across_calls` (Paddle's: the optimizer runs every k "
-                "calls) or `in_step` (each call splits its batch; under the pipeline, "
-                "into its `k_steps` micro-batches, so `accumulate_steps` is 1 or "
-                "`k_steps`)."
-            ),
         ),
     ],
 )
@@ -319,86 +135,425 @@ ADAPTIVE_LOCALSGD_CONFIG = message(
     ],
 )
 
-QAT_CONFIG = message(
-    "QatConfig",
-    "qat_configs",
+MODE = Enum("Mode", (("COLLECTIVE", 1), ("PS", 2), ("PIPELINE", 3), ("HETER", 4)))
+
+DISTRIBUTED_STRATEGY = message(
+    "DistributedStrategy",
+    "DistributedStrategy",
     [
         field(
             1,
-            "channel_wise_abs_max",
-            bool,
-            True,
-            kind="not yet",
-            when="silent",
-            doc=_QAT_OFF,
+            "mode",
+            MODE,
+            "COLLECTIVE",
+            check=one_of("COLLECTIVE"),
+            doc="Collective mode; validation accepts only `COLLECTIVE`.",
         ),
         field(
             2,
-            "weight_bits",
-            int,
-            8,
-            check=positive,
-            kind="not yet",
-            when="silent",
-            doc=_QAT_OFF,
+            "amp",
+            bool,
+            False,
+            doc=AMP,
         ),
         field(
             3,
-            "activation_bits",
-            int,
-            8,
-            check=positive,
-            kind="not yet",
-            when="silent",
-            doc=_QAT_OFF,
-        ),
-        field(
-            4,
-            "not_quant_pattern",
-            str,
-            [],
-            kind="not yet",
-            when="silent",
-            doc=_QAT_OFF,
-        ),
-        field(
-            5,
-            "algo",
-            str,
-            "",
-            kind="not yet",
-            when="silent",
-            doc=_QAT_OFF,
-        ),
-    ],
-)
-
-GRADIENT_SCALE_CONFIG = message(
-    "GradientScaleConfig",
-    "gradient_scale_configs",
-    [
-        field(
-            1,
-            "scale_strategy",
-            str,
-            "avg",
-            check=one_of("avg", "sum", "customized"),
-            kind="not yet",
+            "recompute",
+            bool,
+            False,
             doc=(
-                "`avg` (the mean over replicas) is what the step does; `sum` and "
-                "`customized` raise."
+                "`jax.checkpoint` of the layers marked with `fleetjax.recompute`, keeping "
+                "what `recompute_configs` names."
+            ),
+        ),
+        field(4, "localsgd", bool, False),
+        field(5, "dgc", bool, False),
+        field(
+            6,
+            "gradient_merge",
+            bool,
+            False,
+            doc=(
+                "Gradient merge (`fleetjax.transforms.gradient_merge`): across calls or "
+                "within one step, see `gradient_merge_configs.mode`. Under the pipeline, "
+                "across calls wraps the optimizer as without it; within one step it is "
+                "the pipeline's accumulation (`k_steps` micro-batches)."
+            ),
+        ),
+        field(7, "lars", bool, False),
+        field(8, "lamb", bool, False),
+        field(
+            9,
+            "pipeline",
+            bool,
+            False,
+            doc=(
+                "Pipeline parallelism over the `pp` mesh axis "
+                "(`fleetjax.transforms.pipeline`); the loss is a `PipelineLayer` (three "
+                "functions, or Paddle's `LayerDesc` list). It combines with gradient "
+                "merge, `fp16_allreduce`, hierarchical all-reduce, ZeRO, AMP, recompute "
+                "and model state; not with the per-replica optimizer switches (an error: "
+                "[the switch table](#optimizer-switches))."
             ),
         ),
         field(
-            2,
-            "scale_gradient",
+            10,
+            "elastic",
+            bool,
+            False,
+            note="Paddle's elastic training is set up on its launcher, and so is fleetjax's: "
+            "fleetjax-run's --max_restart, --elastic_level and --nnodes min:max restart the job "
+            "after a failure, and training resumes from the latest intact checkpoint",
+        ),
+        field(
+            11,
+            "auto",
+            bool,
+            False,
+            doc=(
+                "`fleetjax.auto.search` chooses the degrees, ZeRO stage, recompute and "
+                "micro-batching by compiling candidate steps ([the auto "
+                "planner](auto.md)); with another parallel switch it is an error naming "
+                "both; `make_train_step` refuses `auto=True` and points to the planner, "
+                "which needs the parameters and an example batch."
+            ),
+        ),
+        # With sparse tables: False is the synchronous step, True with a_sync_configs.k_steps > 0
+        # Geo-SGD; True otherwise (Paddle's async) runs synchronously and warns.
+        field(
+            12,
+            "a_sync",
+            bool,
+            True,
+            doc=(
+                "Paddle's parameter-server modes ([parameter "
+                "server](parameter_server.md)): False the synchronous step; set to True "
+                "with `a_sync_configs.k_steps` > 0 Geo-SGD "
+                "(`fleetjax.optimizers.geo_sgd`); set to True otherwise, Paddle's "
+                "asynchronous mode, runs synchronously and warns (no SPMD counterpart). "
+                "Left at its default it is a collective strategy's. As in Paddle, "
+                "assigning it sets `a_sync_configs.k_steps` to 0."
+            ),
+        ),
+        field(
+            13,
+            "sync_nccl_allreduce",
+            bool,
+            True,
+            note=(
+                "Paddle waits on the NCCL stream after each all-reduce; XLA orders its "
+                "collectives and the computation itself"
+            ),
+        ),
+        field(
+            14,
+            "nccl_comm_num",
+            int,
+            1,
+            check=positive,
+            note=(
+                "the number of NCCL communicators Paddle opens per group; XLA creates its own "
+                "(tune NCCL with its NCCL_* environment variables)"
+            ),
+        ),
+        # Both applied by fleetjax.transforms.grad_allreduce.hierarchical_mean.
+        field(
+            15,
+            "use_hierarchical_allreduce",
+            bool,
+            False,
+            doc="`fleetjax.transforms.grad_allreduce.hierarchical_mean`",
+        ),
+        field(
+            16,
+            "hierarchical_allreduce_inter_nranks",
+            int,
+            1,
+            check=positive,
+            doc=(
+                "The devices per node of the two-level reduction (consecutive "
+                "data-parallel replicas, node-major as JAX lists a host's devices); left "
+                "unset, a node is one process's replicas (Paddle: one machine's GPUs). It "
+                "must divide the data-parallel size."
+            ),
+        ),
+        field(
+            17,
+            "sync_batch_norm",
+            bool,
+            False,
+            doc=(
+                "`fleetjax.layers.BatchNorm` statistics over all data-parallel replicas "
+                "(`sync=True`) or each replica's rows. `fleet.distributed_model(model)` "
+                "converts a model's `nnx.BatchNorm` layers to it, as the strategy says "
+                "(`fleetjax.layers.batch_norm.convert_batch_norm(model, sync=..., "
+                "replicas=...)` by hand)."
+            ),
+        ),
+        field(
+            18,
+            "fuse_all_reduce_ops",
+            bool,
+            True,
+            kind="XLA flag",
+            doc=(
+                "`--xla_gpu_all_reduce_combine_threshold_bytes`: `fuse_grad_size_in_MB` "
+                "MiB when True, 0 (one all-reduce per gradient) when False. Unset, XLA's "
+                "own heuristic (about 30 MiB) stays."
+            ),
+        ),
+        field(
+            19,
+            "fuse_grad_size_in_MB",
+            int,
+            32,
+            check=non_negative,
+            kind="XLA flag",
+            doc=(
+                "`--xla_gpu_all_reduce_combine_threshold_bytes` = this many MiB (0 if "
+                "`fuse_all_reduce_ops` is False)."
+            ),
+        ),
+        field(
+            20,
+            "fuse_grad_size_in_TFLOPS",
+            float,
+            20.0,
+            check=non_negative,
+            paddle_default=50.0,
+            note=(
+                "Paddle caps its gradient fusion groups by layer count; XLA combines by size "
+                "(fuse_grad_size_in_MB) and by count of collectives (fuse_grad_size_in_num)"
+            ),
+        ),
+        field(
+            21,
+            "cudnn_exhaustive_search",
+            bool,
+            True,
+            paddle_default=False,
+            kind="XLA flag",
+            doc=(
+                "False: `--xla_gpu_autotune_level=0`, the heuristic algorithm without "
+                "benchmarking (for GEMMs too). True: XLA's default autotuning (level 4), "
+                "which benchmarks every candidate; no flag needed."
+            ),
+        ),
+        field(
+            22,
+            "conv_workspace_size_limit",
+            int,
+            4000,
+            check=non_negative,
+            paddle_default=512,
+            note=(
+                "a cap on cuDNN's convolution workspace; XLA picks convolution algorithms and "
+                "their workspace itself, and this jaxlib has no flag to cap it"
+            ),
+        ),
+        field(
+            23,
+            "cudnn_batchnorm_spatial_persistent",
+            bool,
+            True,
+            paddle_default=False,
+            note=(
+                "a cuDNN batch-norm mode; JAX computes batch norm from reductions that XLA fuses,"
+                " with no cuDNN batch-norm call to configure"
+            ),
+        ),
+        field(24, "adaptive_localsgd", bool, False),
+        field(
+            25,
+            "fp16_allreduce",
+            bool,
+            False,
+            doc=(
+                "Gradients all-reduced in half precision (`fp16_allreduce_dtype`) inside "
+                "`shard_map` (`fleetjax.transforms.grad_allreduce`); under the pipeline, "
+                "each replica's accumulated gradients, once, after its loop."
+            ),
+        ),
+        field(
+            26,
+            "sharding",
+            bool,
+            False,
+            doc=("ZeRO over the `sharding` mesh axis; the stage is `sharding_configs.stage`."),
+        ),
+        field(
+            27,
+            "last_comm_group_size_MB",
+            float,
+            1.0,
+            check=greater_than(0),
+            note=(
+                "the size of the last gradient bucket of Paddle's DataParallel; XLA's all-reduce "
+                "combiner has one threshold for all (fuse_grad_size_in_MB)"
+            ),
+        ),
+        field(
+            28,
+            "find_unused_parameters",
             bool,
             False,
             note=(
-                "the step averages gradients over the replicas; scale_strategy selects anything "
-                "else"
+                "Paddle's DataParallel searches the graph for parameters without gradients; JAX's"
+                " autodiff gives them zero gradients"
             ),
-            kind="not yet",
         ),
+        field(
+            29,
+            "tensor_parallel",
+            bool,
+            False,
+            doc=(
+                "Tensor parallelism over the `mp` axis: parameters placed by "
+                "`param_specs` (`fleetjax.layers.partition_specs` reads flax partitioning "
+                "metadata); the `mp` size from `tensor_parallel_configs`."
+            ),
+        ),
+        field(30, "without_graph_optimization", bool, True, note=STATIC),
+        field(
+            31,
+            "fuse_grad_size_in_num",
+            int,
+            8,
+            check=positive,
+            kind="XLA flag",
+            doc=(
+                "`--xla_gpu_collective_combine_threshold_count`: at most this many "
+                "collectives combined into one (XLA applies it to all its collective "
+                "combiners); only while `fuse_all_reduce_ops` is True."
+            ),
+        ),
+        field(
+            32,
+            "calc_comm_same_stream",
+            bool,
+            False,
+            kind="XLA flag",
+            doc=(
+                "True: `--xla_gpu_disable_async_collectives=ALLCOLLECTIVES`, synchronous "
+                "collectives on the compute stream."
+            ),
+        ),
+        field(
+            33,
+            "asp",
+            bool,
+            False,
+            kind="not yet",
+            doc="2:4 structured sparsity is not implemented.",
+        ),
+        field(
+            34,
+            "fuse_grad_merge",
+            bool,
+            False,
+            note=(
+                "Paddle fuses its gradient-merge buffers for communication; XLA lays out all "
+                "buffers itself"
+            ),
+        ),
+        field(
+            35,
+            "semi_auto",
+            bool,
+            False,
+            kind="not yet",
+            doc="Semi-automatic parallelism is not implemented.",
+        ),
+        field(36, "adam_d2sum", bool, False, note=PS),
+        field(
+            37,
+            "auto_search",
+            bool,
+            False,
+            kind="not yet",
+            doc="Automatic parallel search is not implemented.",
+        ),
+        field(38, "heter_ccl_mode", bool, False, note=PS),
+        field(39, "is_fl_ps_mode", bool, False, note=PS),
+        field(40, "with_coordinator", bool, False, note=PS),
+        field(
+            41,
+            "qat",
+            bool,
+            False,
+            kind="not yet",
+            doc="Quantization-aware training is not implemented.",
+        ),
+        field(
+            42,
+            "split_data",
+            bool,
+            True,
+            note="it tells Paddle's auto-parallel data loader to split batches; a fleetjax step "
+            "always splits the global batch over the data axes",
+        ),
+        # fleetjax: the dtype fp16_allreduce communicates in.
+        field(
+            1001,
+            "fp16_allreduce_dtype",
+            str,
+            "float16",
+            paddle=False,
+            check=half,
+            doc=(
+                "fleetjax extension: `float16` or `bfloat16`, the dtype `fp16_allreduce` sums in."
+            ),
+        ),
+        field(101, "recompute_configs", RECOMPUTE_CONFIG),
+        field(102, "amp_configs", AMP_CONFIG),
+        field(103, "localsgd_configs", LOCALSGD_CONFIG),
+        field(104, "gradient_merge_configs", GRADIENT_MERGE_CONFIG),
+        field(105, "dgc_configs", DGC_CONFIG),
+        field(106, "pipeline_configs", PIPELINE_CONFIG),
+        field(107, "a_sync_configs", ASYNC_CONFIG),
+        field(108, "lars_configs", LARS_CONFIG),
+        field(109, "lamb_configs", LAMB_CONFIG),
+        field(110, "adaptive_localsgd_configs", ADAPTIVE_LOCALSGD_CONFIG),
+        field(111, "sharding_configs", SHARDING_CONFIG),
+        field(112, "hybrid_configs", HYBRID_CONFIG),
+        field(113, "tensor_parallel_configs", TENSOR_PARALLEL_CONFIG),
+        field(114, "trainer_desc_configs", TRAINER_DESC_CONFIG),
+        field(
+            115,
+            "downpour_table_param",
+            TABLE_PARAMETER,
+            [],
+            doc=(
+                "Paddle's sparse table configs (`TableParameter`s, set with "
+                "`sparse_table_configs`), one per `SparseEmbedding` by `table_name`: its "
+                "accessor's `embed_sgd_param` and `embedx_sgd_param` pick the sparse "
+                "rules of the first and the other columns "
+                "(`fleetjax.transforms.sparse_rows`), `fea_dim` and `embedx_dim` are "
+                "checked against the table; table storage, CTR bookkeeping and graph "
+                "settings warn once each (see [parameter server](parameter_server.md))."
+            ),
+        ),
+        field(116, "fs_client_param", FS_CLIENT_PARAMETER),
+        field(117, "qat_configs", QAT_CONFIG),
+        field(201, "build_strategy", BUILD_STRATEGY),
+        field(202, "execution_strategy", EXECUTION_STRATEGY, paddle=False),
+        field(203, "gradient_scale_configs", GRADIENT_SCALE_CONFIG),
     ],
+    hints={"explain": EXPLAIN_REMOVED},
 )
+
+
+def seed_default_differences() -> list[tuple[str, object, object]]:
+    """(field path, fleetjax default = the seeds', Paddle 3.3.1's proto default) for each field
+    whose default fleetjax takes from the seed documents rather than from Paddle's code."""
+    out = []
+
+    def walk(spec: MessageSpec, prefix: str) -> None:
+        for f in spec.fields:
+            if f.is_message and not f.repeated:
+                walk(f.type, f"{prefix}{f.name}.")
+            elif f.paddle_default is not None:
+                out.append((prefix + f.name, f.default, f.paddle_default))
+
+    walk(DISTRIBUTED_STRATEGY, "")
+    return out

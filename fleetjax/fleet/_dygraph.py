@@ -32,6 +32,7 @@ __all__ = [
     "ModelOutput",
     "call_model",
     "not_a_loss",
+    "saved_variables",
     "user_name",
 ]
 
@@ -47,7 +48,7 @@ class Runner(Protocol):
     def value(self, loss: DeferredLoss) -> jax.Array: ...
     def outputs(self, output: ModelOutput) -> jax.Array: ...
     def abstract(self, output: ModelOutput) -> jax.ShapeDtypeStruct: ...
-    def reload_model(self) -> None: ...
+    def load_model(self, state_dict: Mapping[str, Any]) -> None: ...
 
 
 class DistributedModel:
@@ -80,8 +81,7 @@ class DistributedModel:
     def state_dict(self) -> dict[str, jax.Array]:
         """Paddle's `state_dict()`: the module's parameters and statistics (its variables but
         random-number state), by their dotted paths, e.g. `"l1.kernel"`."""
-        state = nnx.state(self.module, nnx.Not(nnx.RngState))
-        return {".".join(map(str, path)): v[...] for path, v in nnx.to_flat_state(state)}
+        return {name: v[...] for name, v in saved_variables(self.module).items()}
 
     def set_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Paddle's `set_state_dict(state_dict)`: load the module's parameters and statistics
@@ -95,21 +95,7 @@ class DistributedModel:
         """
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a dict of arrays, got {type(state_dict).__name__}")
-        state = nnx.state(self.module, nnx.Not(nnx.RngState))
-        ours = {".".join(map(str, path)): v for path, v in nnx.to_flat_state(state)}
-        problems = [f"{name!r} is missing" for name in ours if name not in state_dict]
-        problems += [f"{name!r} is not in the model" for name in state_dict if name not in ours]
-        problems += [
-            f"{name!r} has shape {np.shape(state_dict[name])}, the model's is {v.shape}"
-            for name, v in ours.items()
-            if name in state_dict and np.shape(state_dict[name]) != v.shape
-        ]
-        if problems:
-            raise ValueError(f"state_dict does not fit {self!r}: " + "; ".join(problems))
-        for name, v in ours.items():
-            value = np.asarray(state_dict[name]).astype(v.dtype)
-            v[...] = jax.device_put(value, v[...].sharding)
-        self._runner.reload_model()
+        self._runner.load_model(state_dict)
 
     def __getattr__(self, name: str) -> Any:
         if name in ("module", "_runner"):  # not set yet (copy, pickle)
@@ -118,6 +104,13 @@ class DistributedModel:
 
     def __repr__(self) -> str:
         return f"DistributedModel({type(self.module).__name__})"
+
+
+def saved_variables(module: nnx.Module) -> dict[str, nnx.Variable]:
+    """`module`'s variables but random-number state (what Paddle's `state_dict` has), by their
+    dotted paths."""
+    state = nnx.state(module, nnx.Not(nnx.RngState))
+    return {".".join(map(str, path)): v for path, v in nnx.to_flat_state(state)}
 
 
 def _module(node: Any) -> Any:

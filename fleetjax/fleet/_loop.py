@@ -23,8 +23,15 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from fleetjax.distributed_optimizer import DistributedOptimizer
-from fleetjax.fleet._dygraph import DeferredLoss, ModelOutput, call_model, not_a_loss, user_name
-from fleetjax.fleet._trainer import Trainer, learning_rate
+from fleetjax.fleet._dygraph import (
+    DeferredLoss,
+    ModelOutput,
+    call_model,
+    not_a_loss,
+    saved_variables,
+    user_name,
+)
+from fleetjax.fleet._trainer import Trainer, fitted, learning_rate
 from fleetjax.optimizers import set_lr
 
 __all__ = ["CALLS", "DygraphLoop", "forward_calls"]
@@ -251,9 +258,14 @@ class DygraphLoop:
         fn = lambda state, batch: call_model(nnx.merge(graphdef, state), batch)  # noqa: E731
         return jax.eval_shape(fn, state, output.batch)
 
-    def reload_model(self) -> None:
-        """The model's variables changed in place (`DistributedModel.set_state_dict`): the
+    def load_model(self, state_dict: Mapping[str, Any]) -> None:
+        """Load the model's variables from `state_dict` (`DistributedModel.set_state_dict`); the
         Trainer, if any, trains on from them."""
+        variables = saved_variables(self.model)
+        header = f"state_dict does not fit {type(self.model).__name__}"
+        wanted = {name: v[...] for name, v in variables.items()}
+        for name, value in fitted(state_dict, wanted, "the model", header).items():
+            variables[name][...] = value
         if self._trainer is not None:
             self._trainer.reload_model()
 

@@ -32,7 +32,7 @@ from fleetjax.step import TrainStep, make_train_step
 from fleetjax.strategy import DistributedStrategy, Strategy
 from fleetjax.train_state import TrainState
 
-__all__ = ["Trainer", "learning_rate"]
+__all__ = ["Trainer", "fitted", "learning_rate"]
 
 # Paddle's loop is one backward(), step() and clear_grad() per batch; what to say otherwise.
 _HELD = (
@@ -361,19 +361,33 @@ def _from_nested(state_dict: Mapping[str, Any], like: Any) -> Any:
         raise TypeError(
             f"state_dict must be a nested dict of arrays, got {type(state_dict).__name__}"
         )
-    given, wanted = _flat(state_dict), _flat(like)
+    header = (
+        "state_dict does not fit this optimizer state (another optimizer, or another "
+        "strategy's layout of it)"
+    )
+    values = fitted(_flat(state_dict), _flat(like), "the optimizer state", header)
+    return jax.tree.unflatten(jax.tree.structure(like), list(values.values()))
+
+
+def fitted(
+    given: Mapping[str, Any], wanted: Mapping[str, jax.Array], what: str, header: str
+) -> dict[str, jax.Array]:
+    """The values of `given` (jax or numpy arrays) for the names of `wanted`, each cast and
+    placed like `wanted`'s array, in `wanted`'s order.
+
+    Raises:
+      ValueError: `header`, then each name that is missing, extra or of another shape than
+        `what` has.
+    """
     problems = [f"{name!r} is missing" for name in wanted if name not in given]
-    problems += [f"{name!r} is not in the optimizer state" for name in given if name not in wanted]
+    problems += [f"{name!r} is not in {what}" for name in given if name not in wanted]
     problems += [
-        f"{name!r} has shape {np.shape(given[name])}, the optimizer state's is {x.shape}"
+        f"{name!r} has shape {np.shape(given[name])}, {what}'s is {x.shape}"
         for name, x in wanted.items()
         if name in given and np.shape(given[name]) != x.shape
     ]
     if problems:
-        raise ValueError(
-            "state_dict does not fit this optimizer state (another optimizer, or another "
-            "strategy's layout of it): " + "; ".join(problems)
-        )
+        raise ValueError(f"{header}: " + "; ".join(problems))
 
     def placed(value: Any, x: jax.Array) -> jax.Array:
         value = value if isinstance(value, jax.Array) else np.asarray(value)
@@ -382,5 +396,4 @@ def _from_nested(state_dict: Mapping[str, Any], like: Any) -> Any:
             value if value.dtype == x.dtype else value.astype(x.dtype), x.sharding
         )
 
-    values = [placed(given[name], x) for name, x in wanted.items()]
-    return jax.tree.unflatten(jax.tree.structure(like), values)
+    return {name: placed(given[name], x) for name, x in wanted.items()}

@@ -2,7 +2,7 @@
 
 `Fleet` sets the process up (`init`, the mesh, the strategy) and binds the model and the
 optimizer to them; its other calls live in their own modules: Paddle's dygraph calls on its
-`DygraphLoop` (fleetjax/fleet/_loop.py, forwarded through one table), the role queries
+`DygraphLoop` (fleetjax/fleet/_loop.py, forwarded by one table, `DygraphCalls`), the role queries
 (`_roles.py`), saving and loading (`_saving.py`) and the parameter-server calls (`_ps.py`).
 """
 
@@ -22,7 +22,7 @@ from fleetjax.distributed_model import distributed_model
 from fleetjax.distributed_optimizer import DistributedOptimizer, distributed_optimizer
 from fleetjax.fleet._dygraph import DistributedModel
 from fleetjax.fleet._join import default_role_maker, job_mesh, join_processes
-from fleetjax.fleet._loop import CALLS, DygraphLoop, forward_calls
+from fleetjax.fleet._loop import CALLS, DygraphCalls, DygraphLoop
 from fleetjax.fleet._ps import ParameterServerCalls
 from fleetjax.fleet._saving import Saving
 from fleetjax.fleet._trainer import Trainer
@@ -36,9 +36,8 @@ __all__ = ["Fleet", "FleetOptimizer"]
 logger = logging.getLogger("fleetjax")
 
 
-@forward_calls(lambda optimizer: optimizer._bound())
 @dataclasses.dataclass(frozen=True)
-class FleetOptimizer(DistributedOptimizer):
+class FleetOptimizer(DistributedOptimizer, DygraphCalls):
     """What `fleet.distributed_optimizer` returns: a `DistributedOptimizer` (it goes to
     `make_train_step` or a `Trainer` as any other) with Paddle's dygraph optimizer calls
     (`minimize`, `backward`, `step`, `clear_grad`, `state_dict`, `set_state_dict`, `get_lr`,
@@ -68,17 +67,16 @@ class FleetOptimizer(DistributedOptimizer):
             "fleet.init), whose calls act on the fleet's Trainer, or a fleetjax.fleet.Trainer"
         )
 
-    def _bound(self) -> DygraphLoop:
+    def _dygraph_loop(self) -> DygraphLoop:
         if self.fleet._optimizer is not self:
             raise RuntimeError(
                 "this optimizer was replaced by a later fleet.distributed_optimizer() (or "
                 "fleet.init()) call; use the optimizer that call returned"
             )
-        return self.fleet._checked_loop()
+        return self.fleet._dygraph_loop()
 
 
-@forward_calls(lambda fleet: fleet._checked_loop())
-class Fleet(Saving, ParameterServerCalls):
+class Fleet(DygraphCalls, Saving, ParameterServerCalls):
     """Paddle's `fleet` singleton: initialise once with `init`, then query roles, make
     distributed optimizers and synchronise workers.
 
@@ -256,7 +254,7 @@ class Fleet(Saving, ParameterServerCalls):
     @property
     def trainer(self) -> Trainer:
         """The `Trainer` that `minimize` and `backward` made (and then use)."""
-        trainer = self._checked_loop().trainer
+        trainer = self._dygraph_loop().trainer
         if trainer is None:
             raise RuntimeError(
                 "the fleet has not trained yet: loss.backward() (or fleet.minimize(loss_fn, "
@@ -264,6 +262,6 @@ class Fleet(Saving, ParameterServerCalls):
             )
         return trainer
 
-    def _checked_loop(self) -> DygraphLoop:
+    def _dygraph_loop(self) -> DygraphLoop:
         self._checked_role()
         return self._loop

@@ -1,7 +1,7 @@
 """The fleet's dygraph loop: Paddle's optimizer calls (`minimize`, `backward`, `step`,
-`clear_grad`, `state_dict`, `set_state_dict`, `get_lr`, `set_lr`), each defined once here and
-forwarded through one table (`CALLS`) by the fleet (`fleet.step()`) and by the optimizer it
-returns (`opt.step()`).
+`clear_grad`, `state_dict`, `set_state_dict`, `get_lr`, `set_lr`), each defined once here, on
+`DygraphLoop`, and forwarded to it by one table, `DygraphCalls`, which the fleet (`fleet.step()`)
+and the optimizer it returns (`opt.step()`) both take.
 
 A loss comes as a deferred loss (`loss = nn.MSELoss()(dp_model(x), y)`: its function of the
 model and its batch) or as a function with its batch (`opt.minimize(loss_fn, batch)`); either
@@ -13,9 +13,8 @@ and the Trainer starts from them.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any
 
 import jax
 import numpy as np
@@ -34,46 +33,13 @@ from fleetjax.fleet._dygraph import (
 from fleetjax.fleet._trainer import Trainer, fitted, learning_rate
 from fleetjax.optimizers import set_lr
 
-__all__ = ["CALLS", "DygraphLoop", "forward_calls"]
-
-# Paddle's dygraph optimizer calls: the fleet and its optimizer forward each to the loop's.
-CALLS = (
-    "minimize",
-    "backward",
-    "step",
-    "clear_grad",
-    "state_dict",
-    "set_state_dict",
-    "get_lr",
-    "set_lr",
-)
-
-Owner = TypeVar("Owner", bound=type)
+__all__ = ["CALLS", "DygraphCalls", "DygraphLoop"]
 
 _NO_GRADIENTS = (
     "optimizer.step() has no gradients to apply: call loss.backward() first, on the loss of a "
     "fleetjax.nn loss layer (loss = nn.MSELoss()(dp_model(x), y); loss.backward(); "
     "optimizer.step(); optimizer.clear_grad()), or optimizer.backward(loss_fn, batch)"
 )
-
-
-def forward_calls(loop_of: Callable[[Any], DygraphLoop]) -> Callable[[Owner], Owner]:
-    """A class decorator: each call of `CALLS` as a method that makes it on `loop_of(self)`
-    (with the loop's docstring)."""
-
-    def forward(name: str) -> Callable[..., Any]:
-        @functools.wraps(getattr(DygraphLoop, name))
-        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-            return getattr(loop_of(self), name)(*args, **kwargs)
-
-        return call
-
-    def decorate(owner: Owner) -> Owner:
-        for name in CALLS:
-            setattr(owner, name, forward(name))
-        return owner
-
-    return decorate
 
 
 class DygraphLoop:
@@ -360,3 +326,52 @@ def _loss_function(loss: Any, batch: Any, call: str) -> Callable[..., Any]:
 def _shapes(batch: Any) -> Any:
     """The shapes of `batch`: Paddle's form of `save_inference_model` names inputs from it."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
+
+
+class DygraphCalls:
+    """Paddle's dygraph optimizer calls, each forwarded to the `DygraphLoop` of
+    `_dygraph_loop()`: `Fleet` and `FleetOptimizer` take them from here."""
+
+    def _dygraph_loop(self) -> DygraphLoop:
+        """The loop the calls act on (the fleet's)."""
+        raise NotImplementedError
+
+    def minimize(self, loss: DeferredLoss | Callable[..., Any], batch: Any = None) -> jax.Array:
+        """Paddle's `minimize(loss)`, or `minimize(loss_fn, batch)`: one step; returns the loss
+        (`DygraphLoop.minimize`)."""
+        return self._dygraph_loop().minimize(loss, batch)
+
+    def backward(self, loss: DeferredLoss | Callable[..., Any], batch: Any = None) -> None:
+        """Paddle's `loss.backward()` as `backward(loss)`, or `backward(loss_fn, batch)`:
+        `step()` applies its gradients (`DygraphLoop.backward`)."""
+        self._dygraph_loop().backward(loss, batch)
+
+    def step(self) -> jax.Array:
+        """Paddle's `step()`: apply the gradients `backward` asked for; returns the loss
+        (`DygraphLoop.step`)."""
+        return self._dygraph_loop().step()
+
+    def clear_grad(self) -> None:
+        """Paddle's `clear_grad()`: drop the gradients of the last `backward`
+        (`DygraphLoop.clear_grad`)."""
+        self._dygraph_loop().clear_grad()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Paddle's `state_dict()`: the optimizer state (`DygraphLoop.state_dict`)."""
+        return self._dygraph_loop().state_dict()
+
+    def set_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Paddle's `set_state_dict(state_dict)` (`DygraphLoop.set_state_dict`)."""
+        self._dygraph_loop().set_state_dict(state_dict)
+
+    def get_lr(self) -> float:
+        """Paddle's `get_lr()` (`DygraphLoop.get_lr`)."""
+        return self._dygraph_loop().get_lr()
+
+    def set_lr(self, value: float) -> None:
+        """Paddle's `set_lr(value)` (`DygraphLoop.set_lr`)."""
+        self._dygraph_loop().set_lr(value)
+
+
+# Paddle's dygraph optimizer calls, as the table names them.
+CALLS = tuple(name for name in vars(DygraphCalls) if not name.startswith("_"))

@@ -17,8 +17,8 @@ import threading
 import weakref
 from collections.abc import Hashable, Iterator
 
-HEARTBEAT_FILE_VARIABLE = "FLEETJAX_HEARTBEAT_FILE"
-STEPS_FILE_VARIABLE = "FLEETJAX_STEPS_FILE"
+from fleetjax._worker import HEARTBEAT_FILE, STEPS_FILE
+
 _BUSY_INTERVAL_SECONDS = 1.0
 _RAN: weakref.WeakKeyDictionary[object, set[Hashable]] = weakref.WeakKeyDictionary()
 
@@ -37,14 +37,14 @@ _STEPS = _Steps()
 
 def beat() -> None:
     """Mark progress: touch the worker's log (nothing outside `fleetjax-run`)."""
-    path = os.environ.get(HEARTBEAT_FILE_VARIABLE)
+    path = os.environ.get(HEARTBEAT_FILE)
     if path:
         with contextlib.suppress(OSError):  # the log removed: nothing to tell
             os.utime(path)
 
 
 def _count_step() -> None:
-    path = os.environ.get(STEPS_FILE_VARIABLE)
+    path = os.environ.get(STEPS_FILE)
     if not path:
         return
     _STEPS.count += 1
@@ -59,7 +59,7 @@ def _count_step() -> None:
 def busy() -> Iterator[None]:
     """Beat every second until the block ends: for work that is progress without output
     (compiling a step), never for waiting on other processes."""
-    if not os.environ.get(HEARTBEAT_FILE_VARIABLE):
+    if not os.environ.get(HEARTBEAT_FILE):
         yield
         return
     done = threading.Event()

@@ -41,7 +41,7 @@ class StepSpec:
       plan: the strategy's `Plan`.
       mesh: the device mesh.
       placement: where the state, the gradients and the batch live.
-      optimizer: the optimizer that trains (`DistributedOptimizer.inner`: the strategy's
+      optimizer: the optimizer that trains (`DistributedOptimizer.rebuilt`: the strategy's
         rebuild of the user's, with gradient merge across calls).
       loss_fn: the user's loss (a `PipelineLayer` under a pipeline).
       signature: what the loss takes and returns.

@@ -1,11 +1,16 @@
-"""The process `fleetjax-run` starts for each worker: `python -m fleetjax._worker train.py ARGS`
-runs `train.py` as `python train.py ARGS` would, and writes how it ended (its exit code) to
-`FLEETJAX_EXIT_FILE` before Python's exit handlers run.
+"""The worker's side of `fleetjax-run`: the environment the launcher gives each worker (the
+contract both sides import: every `FLEETJAX_*` variable is named here and nowhere else), and
+the process it starts for each worker.
 
+`python -m fleetjax._worker train.py ARGS` runs `train.py` as `python train.py ARGS` would, and
+writes how it ended (its exit code) to `FLEETJAX_EXIT_FILE` before Python's exit handlers run.
 Why: a process that joined JAX's runtime waits in those handlers for every other process
 (JAX's shutdown barrier, up to 5 minutes), and those may wait for it in a collective. The
 launcher reads the file, so a worker that ends (`sys.exit(3)`, an uncaught exception) is named
 with its code at once, whatever the others do afterwards.
+
+This file imports nothing of fleetjax: the launcher runs it as a script, and importing the
+package (and so JAX) before the user's script would read JAX's settings before it sets them.
 """
 
 from __future__ import annotations
@@ -15,8 +20,25 @@ import runpy
 import sys
 import types
 
-EXIT_FILE_VARIABLE = "FLEETJAX_EXIT_FILE"
+# -- the environment fleetjax-run gives each worker (the launcher sets, the worker reads) --------
+# Where this entry writes how the script ended (or JOINED while it runs).
+EXIT_FILE = "FLEETJAX_EXIT_FILE"
 JOINED = "joined"  # in the exit file until the script ends: the process joined JAX's runtime
+# The worker's log, which `fleetjax._liveness` touches as progress, and its steps file, where
+# each train-step call writes the count of calls so far.
+HEARTBEAT_FILE = "FLEETJAX_HEARTBEAT_FILE"
+STEPS_FILE = "FLEETJAX_STEPS_FILE"
+# The run's id, which every process of the run inherits (`fleetjax.launch._guard` finds them).
+RUN_ID = "FLEETJAX_RUN_ID"
+# `fleet.init()`'s wait for every process to join JAX's runtime (`--join_timeout`), in whole
+# seconds; without it, JAX's own.
+JOIN_TIMEOUT = "FLEETJAX_JOIN_TIMEOUT"
+JOIN_TIMEOUT_SECONDS = 300
+# JAX's heartbeat timeout, in whole seconds: twice the launchers' `--peer_timeout`.
+JAX_HEARTBEAT_TIMEOUT = "FLEETJAX_JAX_HEARTBEAT_TIMEOUT"
+# The most nodes of an elastic job (`--nnodes min:max`), for `fleet.init()`'s message when a
+# restart on fewer nodes leaves too few devices.
+MAX_NODES = "FLEETJAX_MAX_NODES"
 
 
 def exit_status(code: object) -> int:
@@ -30,7 +52,7 @@ def exit_status(code: object) -> int:
 
 
 def _record(text: str) -> None:
-    path = os.environ.get(EXIT_FILE_VARIABLE)
+    path = os.environ.get(EXIT_FILE)
     if path:
         with open(path, "w") as f:
             f.write(f"{text}\n")

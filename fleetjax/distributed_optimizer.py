@@ -17,37 +17,24 @@ from fleetjax.transforms import gradient_merge
 
 __all__ = ["DistributedOptimizer", "assemble", "bind", "distributed_optimizer"]
 
-# Paddle's dygraph optimizer calls: they need a model's training state, which the fleet holds.
-_DYGRAPH_CALLS = frozenset(
-    {
-        "minimize",
-        "backward",
-        "step",
-        "clear_grad",
-        "state_dict",
-        "set_state_dict",
-        "get_lr",
-        "set_lr",
-    }
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class DistributedOptimizer:
     """An optax transformation bound to the strategy and mesh it runs under.
 
     Attributes:
-      inner: what the strategy trains with (`assemble`): the user's optimizer, or Paddle's
-        rebuild of it (LARS from a Momentum, LAMB from an Adam, DGC, LocalSGD, Geo-SGD), under
-        gradient merge across calls stepping on every k-th call. It has `init` and `update`
-        like any optax transformation, and is what a train step of it trains with.
+      rebuilt: the optimizer that trains: the user's as the strategy rebuilds it (`assemble`):
+        Paddle's rebuild of it (LARS from a Momentum, LAMB from an Adam, DGC, LocalSGD,
+        Geo-SGD) or the user's itself, under gradient merge across calls stepping on every
+        k-th call. It has `init` and `update` like any optax transformation, and is what a
+        train step of it trains with.
       strategy: a copy of the strategy.
       mesh: the device mesh.
       user: the optimizer the user gave.
       plan: the strategy's plan.
     """
 
-    inner: optax.GradientTransformation
+    rebuilt: optax.GradientTransformation
     strategy: DistributedStrategy | Strategy
     mesh: Mesh
     user: optax.GradientTransformation
@@ -55,20 +42,22 @@ class DistributedOptimizer:
 
     @property
     def init(self) -> Any:
-        return self.inner.init
+        return self.rebuilt.init
 
     @property
     def update(self) -> Any:
-        return self.inner.update
+        return self.rebuilt.update
+
+    @classmethod
+    def _elsewhere(cls, name: str) -> str | None:
+        """Where to find the method `name` that this class lacks and a subclass adds (None: no
+        subclass adds it); a subclass that adds methods says where to find it."""
+        return None
 
     def __getattr__(self, name: str) -> Any:
-        if name in _DYGRAPH_CALLS:
-            raise AttributeError(
-                f"{type(self).__name__} has no {name}(): Paddle's dygraph calls act on a "
-                "model's training state, which this value does not hold; use the optimizer "
-                "that fleet.distributed_optimizer returns (after fleet.init), whose calls act "
-                "on the fleet's Trainer, or a fleetjax.fleet.Trainer"
-            )
+        for subclass in type(self).__subclasses__():
+            if (where := subclass._elsewhere(name)) is not None:
+                raise AttributeError(f"{type(self).__name__} has no {name}(): {where}")
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 

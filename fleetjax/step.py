@@ -82,7 +82,7 @@ class TrainStep:
     ) -> None:
         self.loss_fn, self.signature = loss_fn, signature
         self.strategy, self.plan, self.mesh = optimizer.strategy, optimizer.plan, optimizer.mesh
-        self.optimizer: optax.GradientTransformation = optimizer.inner
+        self.optimizer: optax.GradientTransformation = optimizer.rebuilt
         self._placing = {"param_specs": param_specs, "state_specs": state_specs}
         self.batch_sharding = batch_sharding(self.mesh)  # the batch split over the data axes
         self._specs: list[tuple[TrainState, StepSpec]] = []  # by state shape

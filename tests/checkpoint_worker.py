@@ -1,4 +1,4 @@
-"""Processes that die while they write checkpoints, for tests/test_checkpoint*.py.
+"""Processes that die while they write checkpoints, for tests/base/test_checkpoint*.py.
 
     checkpoint_worker.py MODE DIR
 

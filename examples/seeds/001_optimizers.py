@@ -17,8 +17,8 @@ from fleetjax import optimizers
 
 def trained_with(optimizer):
     optimizer = fleet.distributed_optimizer(optimizer)
-    if isinstance(optimizer.inner, optimizers.PaddleOptimizer):  # LocalSGD wraps it instead
-        print(f"  {optimizer.user!r} became {optimizer.inner!r}")
+    if isinstance(optimizer.rebuilt, optimizers.PaddleOptimizer):  # LocalSGD wraps it instead
+        print(f"  {optimizer.user!r} became {optimizer.rebuilt!r}")
     train(optimizer, steps=4)
 
 

@@ -9,6 +9,7 @@ from typing import Any
 from fleetjax.fleet import auto, base, role_maker, utils
 from fleetjax.fleet._dygraph import DeferredLoss, DistributedModel, ModelOutput
 from fleetjax.fleet._fleet import Fleet, FleetOptimizer
+from fleetjax.fleet._loop import DygraphLoop
 from fleetjax.fleet._trainer import Trainer
 from fleetjax.fleet.base.util_factory import UtilBase
 from fleetjax.fleet.role_maker import (
@@ -68,6 +69,7 @@ __all__ = [
     "DeferredLoss",
     "DistributedModel",
     "DistributedStrategy",
+    "DygraphLoop",
     "ExecutionStrategy",
     "Fleet",
     "FleetOptimizer",

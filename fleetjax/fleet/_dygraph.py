@@ -2,118 +2,53 @@
 
     dp_model = fleet.distributed_model(model)        # a DistributedModel
     loss = nn.MSELoss()(dp_model(x), y)              # a DeferredLoss: nothing has run
-    loss.backward()                                  # fleet.backward(loss.loss_fn, loss.batch)
+    loss.backward()                                  # the fleet's loop holds it
     optimizer.step()                                 # the Trainer's one compiled step
     optimizer.clear_grad()
 
 A deferred loss is the pair Paddle's tape would record, made explicit: `loss_fn(model, batch)`
 (the loss layer of the model's call) and `batch` (the call's arrays and the label). The step
 that trains it is the one `make_train_step` builds for that function, and its value is the
-step's loss; read before the step, it is the forward alone.
+step's loss; read before the step, it is the forward alone. The loop that trains it is
+`fleetjax.fleet.DygraphLoop` (the deferred values' `runner`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 from flax import nnx
+from flax.nnx import graph
 
 from fleetjax.nn import FUNCTION_FORM, Deferred, LossLayer
 
-__all__ = ["DeferredLoss", "DistributedModel", "Dygraph", "ModelOutput"]
+__all__ = [
+    "DeferredLoss",
+    "DistributedModel",
+    "ModelOutput",
+    "call_model",
+    "not_a_loss",
+    "saved_variables",
+    "user_name",
+]
 
 
-class Dygraph:
-    """The dygraph loop of one distributed model on one fleet: which deferred loss `backward`
-    holds, which one the last step applied and its value, and the forward alone for values read
-    before a step.
+class Runner(Protocol):
+    """What trains a distributed model and computes its deferred values (the fleet's
+    `DygraphLoop`)."""
 
-    Attributes:
-      fleet: the `Fleet` whose Trainer trains the model.
-      module: the flax nnx Module (the fleet's model).
-      steps: how many steps the fleet took since the model was distributed.
-    """
+    model: Any
+    steps: int
 
-    def __init__(self, fleet: Any, module: nnx.Module) -> None:
-        self.fleet, self.module, self.steps = fleet, module, 0
-        self._closed = False
-        self._pending: DeferredLoss | None = None  # backward() called, step() not yet
-        self._applied: tuple[DeferredLoss, jax.Array] | None = None  # the last step's loss
-        self._forwards: dict[Callable[..., Any], Callable[..., Any]] = {}
-
-    def close(self) -> None:
-        """The fleet distributed another model or was initialised again: refuse new work."""
-        self._closed = True
-
-    def stepped(self, value: jax.Array) -> None:
-        """The fleet took a step whose loss is `value` (it applied the pending loss, if any)."""
-        if self._pending is not None:
-            self._applied, self._pending = (self._pending, value), None
-        self.steps += 1
-
-    def backward(self, loss: DeferredLoss) -> None:
-        """Paddle's `loss.backward()`: the fleet's next `step()` applies this loss's gradients."""
-        self._check(loss)
-        if loss.layer.reduction == "none":
-            raise ValueError(
-                f"loss.backward() needs one number, but {loss.layer!r} gives one per element: "
-                "use reduction='mean' or 'sum'"
-            )
-        self.fleet.backward(loss.loss_fn, loss.batch)
-        self._pending = loss
-
-    def minimize(self, loss: DeferredLoss) -> jax.Array:
-        """Paddle's `optimizer.minimize(loss)`: apply the gradients of `backward()`, or compute
-        and apply them when there was none (Paddle's static-graph minimize); returns the loss."""
-        self._check(loss)
-        if loss is self._pending:
-            return self.fleet.step()
-        value = self.fleet.minimize(loss.loss_fn, loss.batch)
-        self._applied = (loss, value)
-        return value
-
-    def value(self, loss: DeferredLoss) -> jax.Array:
-        """The loss the step computed for `loss`, or before its step the forward alone."""
-        if self._applied is not None and self._applied[0] is loss:
-            return self._applied[1]
-        return self._forward(loss.loss_fn, loss.batch, loss.output)
-
-    def outputs(self, output: ModelOutput) -> jax.Array:
-        """The model's outputs, computed alone (no step)."""
-        return self._forward(_call_model, output.batch, output)
-
-    def abstract(self, output: ModelOutput) -> jax.ShapeDtypeStruct:
-        """The outputs' shape and dtype (nothing runs)."""
-        graphdef, state = nnx.split(self.module)
-        fn = lambda state, batch: _call_model(nnx.merge(graphdef, state), batch)  # noqa: E731
-        return jax.eval_shape(fn, state, output.batch)
-
-    def _forward(self, fn: Callable[..., Any], batch: Any, made: ModelOutput) -> jax.Array:
-        """`fn(model, batch)` on a copy of the model (its variables unchanged: batch-norm
-        statistics and random-number counters are the step's to update)."""
-        if made.steps != self.steps:
-            raise RuntimeError(
-                f"{made!r} was made before the last {self.steps - made.steps} step(s): its "
-                "value at that point is gone (the step changed the parameters). Read a loss "
-                "with numpy() or item() before optimizer.step(), or after the step that "
-                "applied it"
-            )
-        graphdef, state = nnx.split(self.module)
-        if fn not in self._forwards:
-            self._forwards[fn] = jax.jit(lambda state, b: fn(nnx.merge(graphdef, state), b))
-        with jax.set_mesh(self.fleet.mesh):
-            return self._forwards[fn](state, batch)
-
-    def _check(self, loss: DeferredLoss) -> None:
-        if self._closed:
-            raise RuntimeError(
-                f"{loss!r} is of a model that a later fleet.init() or fleet.distributed_model() "
-                "replaced; call the model that fleet.distributed_model() returned last"
-            )
+    def backward(self, loss: DeferredLoss) -> None: ...
+    def value(self, loss: DeferredLoss) -> jax.Array: ...
+    def outputs(self, output: ModelOutput) -> jax.Array: ...
+    def abstract(self, output: ModelOutput) -> jax.ShapeDtypeStruct: ...
+    def load_model(self, state_dict: Mapping[str, Any]) -> None: ...
 
 
 class DistributedModel:
@@ -121,21 +56,49 @@ class DistributedModel:
     calling it gives a deferred `ModelOutput` for Paddle's loss layers; every other attribute
     is the module's (`dp_model.eval()`, `dp_model.linear.kernel`).
 
+    flax nnx's functions see the module: `nnx.state(dp_model)`, `nnx.split(dp_model, nnx.Param,
+    ...)` and `nnx.update(dp_model, state)` read and write its variables, and `nnx.merge` of
+    its split makes a copy of the module.
+
     Attributes:
       module: the flax nnx Module, placed on the fleet's mesh (the same object the fleet's
         Trainer trains and updates in place).
     """
 
-    def __init__(self, module: nnx.Module, dygraph: Dygraph) -> None:
-        self.module, self._dygraph = module, dygraph
+    def __init__(self, module: nnx.Module, runner: Runner) -> None:
+        self.module, self._runner = module, runner
 
     def __call__(self, *args: Any, **kwargs: Any) -> ModelOutput:
         """The deferred output of `module(*args, **kwargs)` (arrays: the batch the step splits
         over the devices)."""
-        return ModelOutput(self._dygraph, args, kwargs)
+        return ModelOutput(self._runner, args, kwargs)
+
+    def parameters(self) -> list[nnx.Param]:
+        """Paddle's `parameters()`: the module's `nnx.Param` variables (its trained ones, kept
+        up to date by each step), in the order of `nnx.state`."""
+        return [v for _, v in nnx.to_flat_state(nnx.state(self.module, nnx.Param))]
+
+    def state_dict(self) -> dict[str, jax.Array]:
+        """Paddle's `state_dict()`: the module's parameters and statistics (its variables but
+        random-number state), by their dotted paths, e.g. `"l1.kernel"`."""
+        return {name: v[...] for name, v in saved_variables(self.module).items()}
+
+    def set_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Paddle's `set_state_dict(state_dict)`: load the module's parameters and statistics
+        from a `state_dict()` (jax or numpy arrays; any mesh's), placed and cast as they are;
+        training goes on from them.
+
+        Raises:
+          TypeError: if `state_dict` is not a mapping.
+          ValueError: naming each entry that is missing, extra or of another shape (Paddle
+            skips those with a warning).
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a dict of arrays, got {type(state_dict).__name__}")
+        self._runner.load_model(state_dict)
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("module", "_dygraph"):  # not set yet (copy, pickle)
+        if name in ("module", "_runner"):  # not set yet (copy, pickle)
             raise AttributeError(name)
         return getattr(self.module, name)
 
@@ -143,8 +106,54 @@ class DistributedModel:
         return f"DistributedModel({type(self.module).__name__})"
 
 
-def _call_model(model: nnx.Module, batch: dict[str, Any]) -> Any:
+def saved_variables(module: nnx.Module) -> dict[str, nnx.Variable]:
+    """`module`'s variables but random-number state (what Paddle's `state_dict` has), by their
+    dotted paths."""
+    state = nnx.state(module, nnx.Not(nnx.RngState))
+    return {".".join(map(str, path)): v for path, v in nnx.to_flat_state(state)}
+
+
+def _module(node: Any) -> Any:
+    """The module of a graph node of a `DistributedModel` (`nnx.merge` makes plain modules)."""
+    return node.module if isinstance(node, DistributedModel) else node
+
+
+def _impl(node: Any) -> Any:
+    return graph.get_node_impl(_module(node))
+
+
+def _flatten(model: DistributedModel) -> tuple[Any, tuple[type, Any]]:
+    nodes, metadata = _impl(model).flatten(model.module)
+    return nodes, (type(model.module), metadata)
+
+
+# flax nnx's functions walk a DistributedModel as its module, and merging makes a module.
+graph.register_graph_node_type(
+    DistributedModel,
+    flatten=_flatten,
+    set_key=lambda node, key, value: _impl(node).set_key(_module(node), key, value),
+    pop_key=lambda node, key: _impl(node).pop_key(_module(node), key),
+    create_empty=lambda metadata: graph.get_node_impl_for_type(metadata[0]).create_empty(
+        metadata[1]
+    ),
+    clear=lambda node: _impl(node).clear(_module(node)),
+    init=lambda node, items: _impl(node).init(_module(node), items),
+)
+
+
+def call_model(model: nnx.Module, batch: dict[str, Any]) -> Any:
     return model(*batch["inputs"], **batch["keywords"])
+
+
+def user_name(path: tuple[Any, ...]) -> str:
+    """How the user wrote the leaf at `path` of a deferred batch: `dp_model(x)`'s `x` is
+    `batch['inputs'][0]`, "the distributed model's argument 0"."""
+    part = path[0].key
+    if part == "label":
+        return "the loss's label" + jax.tree_util.keystr(tuple(path[1:]))
+    key, *rest = path[1:]
+    what = f"argument {key.idx}" if part == "inputs" else f"keyword argument {key.key}"
+    return f"the distributed model's {what}" + jax.tree_util.keystr(tuple(rest))
 
 
 def _checked_arrays(value: Any, what: str) -> Any:
@@ -166,12 +175,12 @@ class ModelOutput(Deferred):
     a `fleetjax.nn.DeferredError`.
 
     Attributes:
-      runner: the `Dygraph` that computes it.
+      runner: the `DygraphLoop` that computes it.
       batch: `{"inputs": args, "keywords": kwargs}` of the call.
       steps: the runner's step count when it was made.
     """
 
-    def __init__(self, runner: Dygraph, args: tuple, kwargs: dict[str, Any]) -> None:
+    def __init__(self, runner: Runner, args: tuple, kwargs: dict[str, Any]) -> None:
         self.runner, self.steps = runner, runner.steps
         self.batch = {
             "inputs": _checked_arrays(tuple(args), "the model's argument "),
@@ -195,7 +204,7 @@ class ModelOutput(Deferred):
         return np.asarray(self.runner.outputs(self))
 
     def __repr__(self) -> str:
-        return f"ModelOutput({self.runner.module.__class__.__name__}(...))"
+        return f"ModelOutput({self.runner.model.__class__.__name__}(...))"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +215,7 @@ class LayerLoss:
     layer: LossLayer
 
     def __call__(self, model: nnx.Module, batch: dict[str, Any]) -> jax.Array:
-        return self.layer(_call_model(model, batch), batch["label"])
+        return self.layer(call_model(model, batch), batch["label"])
 
 
 class DeferredLoss(Deferred):
@@ -236,8 +245,10 @@ class DeferredLoss(Deferred):
 
         Raises:
           RuntimeError: if gradients of an earlier `backward()` are still held (call
-            `optimizer.clear_grad()`), or the model was replaced.
-          ValueError: for a loss of `reduction='none'`.
+            `optimizer.step()`, then `optimizer.clear_grad()`; the message shows how gradient
+            merge accumulates several batches), or the model was replaced.
+          ValueError: for a loss of `reduction='none'`, or a batch whose rows do not split
+            over the data-parallel devices.
         """
         self.runner.backward(self)
 

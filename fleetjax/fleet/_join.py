@@ -28,15 +28,11 @@ from fleetjax.fleet.base.role_maker import (
 )
 from fleetjax.plan import Plan, mesh_for
 
-JOIN_TIMEOUT_VARIABLE = "FLEETJAX_JOIN_TIMEOUT"  # fleetjax-run's --join_timeout
-JOIN_TIMEOUT_SECONDS = 300  # JAX's: for every process to join
-HEARTBEAT_VARIABLE = "FLEETJAX_JAX_HEARTBEAT_TIMEOUT"  # fleetjax-run's: twice --peer_timeout
 # A process that sends no heartbeat for this long is taken as dead by JAX's coordination
 # service, which then ends every process (JAX's default, 100 s, leaves a job waiting on a lost
 # node for minutes; the heartbeats come from a thread of their own, so compiling or a busy
 # Python loop does not delay them).
 HEARTBEAT_SECONDS = 10
-MAX_NODES_VARIABLE = "FLEETJAX_MAX_NODES"  # fleetjax-run's, with --nnodes min:max: max
 
 # Variables by which schedulers give a job's task count, what sets them, and how JAX would
 # find the job (jax._src.clusters).
@@ -194,8 +190,8 @@ def join_processes(role: RoleMakerBase) -> None:
             num_processes=role.worker_num,
             process_id=role.worker_index,
             coordinator_bind_address=bind,
-            initialization_timeout=_seconds(JOIN_TIMEOUT_VARIABLE, JOIN_TIMEOUT_SECONDS),
-            heartbeat_timeout_seconds=_seconds(HEARTBEAT_VARIABLE, HEARTBEAT_SECONDS),
+            initialization_timeout=_seconds(_worker.JOIN_TIMEOUT, _worker.JOIN_TIMEOUT_SECONDS),
+            heartbeat_timeout_seconds=_seconds(_worker.JAX_HEARTBEAT_TIMEOUT, HEARTBEAT_SECONDS),
         )
     except RuntimeError as e:
         raise RuntimeError(
@@ -260,7 +256,7 @@ def job_mesh(plan: Plan) -> Mesh:
     try:
         return mesh_for(plan)
     except ValueError as e:
-        nodes, most = os.environ.get("PADDLE_NNODES", ""), os.environ.get(MAX_NODES_VARIABLE, "")
+        nodes, most = os.environ.get("PADDLE_NNODES", ""), os.environ.get(_worker.MAX_NODES, "")
         if not (nodes.isdigit() and most.isdigit() and int(nodes) < int(most)):
             raise
         fits = str(e).partition(". To simulate")[0]  # more simulated devices are no answer here

@@ -22,7 +22,10 @@ import logging
 import warnings
 
 from fleetjax._warnings import user_stacklevel, warn_once
+from fleetjax.fleet._roles import RoleQueries
 from fleetjax.fleet.base.role_maker import Role, RoleMakerBase
+
+__all__ = ["ParameterServerCallError", "ParameterServerCalls", "non_distributed", "runtime_call"]
 
 logger = logging.getLogger("fleetjax")
 
@@ -81,3 +84,25 @@ def runtime_call(role: RoleMakerBase, name: str, has_args: bool = False) -> None
             "tables live on the trainers, which load them with fleet.load_persistables"
         )
     logger.info("fleet.%s(): %s", name, what)
+
+
+class ParameterServerCalls(RoleQueries):
+    """Paddle's parameter-server runtime calls on the fleet (a part of `Fleet`)."""
+
+    def init_worker(self, scopes: object = None) -> None:
+        """A trainer's start in parameter-server mode: logs and returns (the tables live on
+        the trainers' devices; nothing to pull). `scopes` are Paddle's static-graph scopes."""
+        del scopes  # JAX has no scopes
+        runtime_call(self._checked_role(), "init_worker")
+
+    def init_server(self, *args: object, **kwargs: object) -> None:
+        """A server's start in parameter-server mode: logs and returns (it holds no table)."""
+        runtime_call(self._checked_role(), "init_server", bool(args or kwargs))
+
+    def run_server(self) -> None:
+        """A server's loop in parameter-server mode: logs and returns (nothing to serve)."""
+        runtime_call(self._checked_role(), "run_server")
+
+    def stop_worker(self) -> None:
+        """A trainer's end in parameter-server mode: logs and returns."""
+        runtime_call(self._checked_role(), "stop_worker")

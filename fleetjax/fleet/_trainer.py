@@ -32,12 +32,23 @@ from fleetjax.step import TrainStep, make_train_step
 from fleetjax.strategy import DistributedStrategy, Strategy
 from fleetjax.train_state import TrainState
 
-__all__ = ["Trainer", "learning_rate"]
+__all__ = ["Trainer", "fitted", "learning_rate"]
 
+# Paddle's loop is one backward(), step() and clear_grad() per batch; what to say otherwise.
 _HELD = (
-    "gradients from an earlier backward() are still held: call clear_grad() first (Paddle "
-    "would add the new gradients to them; to accumulate gradients over several batches, "
-    "use the strategy's gradient_merge)"
+    "the gradients of an earlier backward() are still held and not applied: to drop them, "
+    "call clear_grad() first (Paddle would add the new gradients to them); to apply them, "
+    "step(). To accumulate the gradients of several batches, keep one backward() and one "
+    "step() per batch and let the strategy merge them; the optimizer then updates the "
+    "parameters on every k_steps-th step():\n\n"
+    "    strategy.gradient_merge = True\n"
+    "    strategy.gradient_merge_configs = {'k_steps': 4, 'avg': True}\n"
+    "    fleet.init(is_collective=True, strategy=strategy)"
+)
+_APPLIED = (
+    "the gradients of the last backward() are still held: call clear_grad() first (Paddle "
+    "would add the new gradients to them; step() applied them already). Each batch is "
+    "backward, step(), clear_grad()"
 )
 
 
@@ -117,13 +128,23 @@ class Trainer:
             has_state=model_state is not None,
             state_specs=state_specs,
         )
-        self.state: TrainState = (
-            state if state is not None else self.train_step.init(params, seed, model_state)
-        )
         self.metrics: dict[str, Any] | None = None
         self._batch: Any = None  # held by backward() for step()
         self._applied = False  # step() applied the held gradients; clear_grad() not called yet
-        self._sync_model()
+        self.state = state if state is not None else self.train_step.init(params, seed, model_state)
+
+    @property
+    def state(self) -> TrainState:
+        """The `TrainState`; setting it (a checkpoint's, say) sets the nnx Module's variables."""
+        return self._state
+
+    @state.setter
+    def state(self, state: TrainState) -> None:
+        self._state = state
+        if self._module is not None:
+            nnx.update(self._module, self._first_replica(state.params))
+            if state.model_state is not None:
+                nnx.update(self._module, state.model_state)
 
     @property
     def params(self) -> Any:
@@ -145,8 +166,7 @@ class Trainer:
         Raises:
           RuntimeError: if `backward` or `step` left gradients that `clear_grad` did not drop.
         """
-        if self._batch is not None or self._applied:
-            raise RuntimeError(_HELD)
+        self._check_no_gradients()
         return self._run(batch)
 
     def backward(self, batch: Any) -> None:
@@ -154,10 +174,10 @@ class Trainer:
         `step()` applies (it computes them, with the update, in one compiled call).
 
         Raises:
-          RuntimeError: if gradients are held already (Paddle would add them up).
+          RuntimeError: if gradients are held already (Paddle would add them up); the message
+            shows how gradient merge accumulates several batches' instead.
         """
-        if self._batch is not None or self._applied:
-            raise RuntimeError(_HELD)
+        self._check_no_gradients()
         self._batch = batch
 
     def step(self) -> jax.Array:
@@ -178,6 +198,11 @@ class Trainer:
         loss = self._run(self._batch)
         self._batch, self._applied = None, True
         return loss
+
+    @property
+    def has_gradients(self) -> bool:
+        """Whether a `backward` since the last `clear_grad` left gradients (applied or not)."""
+        return self._batch is not None or self._applied
 
     def clear_grad(self) -> None:
         """Paddle's `opt.clear_grad()`: drop the gradients of the last `backward`."""
@@ -230,9 +255,30 @@ class Trainer:
 
     # -- internals --------------------------------------------------------------------------------
 
+    def reload_model(self) -> None:
+        """Train on from the nnx Module's variables as they are now, changed in place since the
+        last step (`nnx.update`, `DistributedModel.set_state_dict`); the optimizer state stays.
+        Under LocalSGD every replica takes them.
+
+        Raises:
+          TypeError: if the trainer trains a pytree of parameters (set `state` instead).
+        """
+        if self._module is None:
+            raise TypeError("reload_model() reads an nnx Module; this trainer trains a pytree")
+        params = _from_module(self._module, nnx.Param, self.state.params)
+        model_state = self.state.model_state
+        if model_state is not None:
+            model_state = _from_module(self._module, nnx.Not(nnx.Param), model_state)
+        self.state = self.state._replace(params=params, model_state=model_state)
+
+    def _check_no_gradients(self) -> None:
+        if self._batch is not None:
+            raise RuntimeError(_HELD)
+        if self._applied:
+            raise RuntimeError(_APPLIED)
+
     def _run(self, batch: Any) -> jax.Array:
         self.state, self.metrics = self.train_step(self.state, batch)
-        self._sync_model()
         return self.metrics["loss"]
 
     def _first_replica(self, params: Any) -> Any:
@@ -240,11 +286,18 @@ class Trainer:
             return jax.tree.map(lambda x: x[0], params)
         return params
 
-    def _sync_model(self) -> None:
-        if self._module is not None:
-            nnx.update(self._module, self._first_replica(self.params))
-            if self.state.model_state is not None:
-                nnx.update(self._module, self.state.model_state)
+
+def _from_module(module: nnx.Module, variables: Any, like: Any) -> Any:
+    """`like` (a step's placed arrays, perhaps one per replica) with the values of `module`'s
+    `variables` of the same paths, cast and placed like it."""
+    values = {path: v[...] for path, v in nnx.to_flat_state(nnx.state(module, variables))}
+
+    def placed(path: Any, x: jax.Array) -> jax.Array:
+        keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+        value = jax.numpy.broadcast_to(values[keys].astype(x.dtype), x.shape)
+        return jax.device_put(value, x.sharding)
+
+    return jax.tree_util.tree_map_with_path(placed, like)
 
 
 def _with_tables(param_state: nnx.State, params: dict[str, Any]) -> dict[str, Any]:
@@ -308,19 +361,33 @@ def _from_nested(state_dict: Mapping[str, Any], like: Any) -> Any:
         raise TypeError(
             f"state_dict must be a nested dict of arrays, got {type(state_dict).__name__}"
         )
-    given, wanted = _flat(state_dict), _flat(like)
+    header = (
+        "state_dict does not fit this optimizer state (another optimizer, or another "
+        "strategy's layout of it)"
+    )
+    values = fitted(_flat(state_dict), _flat(like), "the optimizer state", header)
+    return jax.tree.unflatten(jax.tree.structure(like), list(values.values()))
+
+
+def fitted(
+    given: Mapping[str, Any], wanted: Mapping[str, jax.Array], what: str, header: str
+) -> dict[str, jax.Array]:
+    """The values of `given` (jax or numpy arrays) for the names of `wanted`, each cast and
+    placed like `wanted`'s array, in `wanted`'s order.
+
+    Raises:
+      ValueError: `header`, then each name that is missing, extra or of another shape than
+        `what` has.
+    """
     problems = [f"{name!r} is missing" for name in wanted if name not in given]
-    problems += [f"{name!r} is not in the optimizer state" for name in given if name not in wanted]
+    problems += [f"{name!r} is not in {what}" for name in given if name not in wanted]
     problems += [
-        f"{name!r} has shape {np.shape(given[name])}, the optimizer state's is {x.shape}"
+        f"{name!r} has shape {np.shape(given[name])}, {what}'s is {x.shape}"
         for name, x in wanted.items()
         if name in given and np.shape(given[name]) != x.shape
     ]
     if problems:
-        raise ValueError(
-            "state_dict does not fit this optimizer state (another optimizer, or another "
-            "strategy's layout of it): " + "; ".join(problems)
-        )
+        raise ValueError(f"{header}: " + "; ".join(problems))
 
     def placed(value: Any, x: jax.Array) -> jax.Array:
         value = value if isinstance(value, jax.Array) else np.asarray(value)
@@ -329,5 +396,4 @@ def _from_nested(state_dict: Mapping[str, Any], like: Any) -> Any:
             value if value.dtype == x.dtype else value.astype(x.dtype), x.sharding
         )
 
-    values = [placed(given[name], x) for name, x in wanted.items()]
-    return jax.tree.unflatten(jax.tree.structure(like), values)
+    return {name: placed(given[name], x) for name, x in wanted.items()}

@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import Sequence
 from typing import NoReturn
 
-from fleetjax.fleet import _join
+from fleetjax import _worker
 
 DEFAULT_START_PORT = 6070  # Paddle's
 # A worker silent this long is hung. Each TrainStep call is progress (its first, compiling,
@@ -17,7 +17,7 @@ DEFAULT_HEARTBEAT_TIMEOUT = 1800.0
 # The launchers of a job's nodes talk every second: 4 s of silence is a lost node or link, and
 # the job has stopped within 10 s (3 s of it the workers' grace period).
 DEFAULT_PEER_TIMEOUT = 4.0
-DEFAULT_JOIN_TIMEOUT = float(_join.JOIN_TIMEOUT_SECONDS)  # JAX's initialization timeout
+DEFAULT_JOIN_TIMEOUT = float(_worker.JOIN_TIMEOUT_SECONDS)  # JAX's initialization timeout
 DEFAULT_ELASTIC_TIMEOUT = 30.0  # Paddle's --elastic_timeout
 PADDLE_MAX_RESTART = 3  # Paddle's --max_restart, which Paddle applies with --elastic_level >= 1
 

@@ -1,12 +1,14 @@
 """Ending every process of a `fleetjax-run` job, whoever started it and however detached.
 
-Each worker gets `FLEETJAX_RUN_ID=<the run's id>` in its environment, which its children
-inherit, also those that leave its process group or session (a daemon, `setsid`). A process
-of the run is one whose initial environment (`/proc/PID/environ`) holds that id, or one in a
-worker's process group; `stop` signals all of them. The launcher stops its job this way, and a
+Each worker gets `FLEETJAX_RUN_ID=<the run's id>` in its environment (`fleetjax._worker.RUN_ID`),
+which its children inherit, also those that leave its process group or session (a daemon,
+`setsid`). A process of the run is one whose initial environment (`/proc/PID/environ`) holds
+that entry, the run's marker, or one in a worker's process group; `stop` signals all of
+them. The launcher stops its job this way, and a
 guard process (this file run as a script, in a session of its own) does it when the launcher
 ends without doing so: killed by SIGKILL, say. The guard reads worker process-group ids from
-stdin, one a line; end of file means the launcher is gone.
+stdin, one a line; end of file means the launcher is gone. It runs in isolated mode (`-I`),
+where fleetjax may not be importable: it imports nothing of it, and takes the marker whole.
 
 Linux only (`/proc`). A child that clears its environment and leaves its worker's process group
 is not found.
@@ -21,14 +23,14 @@ import sys
 import time
 from collections.abc import Collection
 
-RUN_ID_VARIABLE = "FLEETJAX_RUN_ID"
 _POLL_SECONDS = 0.05
 
 
-def members(run_id: str, groups: Collection[int] = ()) -> list[int]:
-    """The live processes of the run: those whose environment holds `FLEETJAX_RUN_ID=run_id`
-    or whose process group is one of `groups` (zombies, dead but not yet reaped, are not)."""
-    needle = f"{RUN_ID_VARIABLE}={run_id}".encode()
+def members(marker: str, groups: Collection[int] = ()) -> list[int]:
+    """The live processes of the run: those whose environment holds `marker`
+    (`FLEETJAX_RUN_ID=<id>`) or whose process group is one of `groups` (zombies, dead but not
+    yet reaped, are not)."""
+    needle = marker.encode()
     found = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
@@ -48,35 +50,36 @@ def members(run_id: str, groups: Collection[int] = ()) -> list[int]:
     return found
 
 
-def _signal(run_id: str, groups: Collection[int], sig: int) -> bool:
+def _signal(marker: str, groups: Collection[int], sig: int) -> bool:
     """Send `sig` to the run's processes; whether there were any."""
-    pids = members(run_id, groups)
+    pids = members(marker, groups)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)
     return bool(pids)
 
 
-def stop(run_id: str, groups: Collection[int], grace: float) -> None:
-    """SIGTERM the run's processes (`run_id`'s and those in process groups `groups`), and
-    SIGKILL what is left after `grace` seconds, until none is left."""
-    if not _signal(run_id, groups, signal.SIGTERM):
+def stop(marker: str, groups: Collection[int], grace: float) -> None:
+    """SIGTERM the run's processes (those with `marker` in their environment and those in
+    process groups `groups`), and SIGKILL what is left after `grace` seconds, until none is
+    left."""
+    if not _signal(marker, groups, signal.SIGTERM):
         return
     deadline = time.monotonic() + grace
-    while members(run_id, groups) and time.monotonic() < deadline:
+    while members(marker, groups) and time.monotonic() < deadline:
         time.sleep(_POLL_SECONDS)
     # Again and again: a process may fork while it is being killed.
     deadline = time.monotonic() + grace
-    while _signal(run_id, groups, signal.SIGKILL) and time.monotonic() < deadline:
+    while _signal(marker, groups, signal.SIGKILL) and time.monotonic() < deadline:
         time.sleep(_POLL_SECONDS)
 
 
-def _guard(run_id: str, grace: float) -> None:
+def _guard(marker: str, grace: float) -> None:
     """Wait for the launcher to end (stdin closes), then stop what is left of its run."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)  # whatever ends the launcher must not end this
     groups = {int(line) for line in sys.stdin}
-    stop(run_id, groups, grace)
+    stop(marker, groups, grace)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import socket
 import subprocess
 from collections.abc import Mapping, Sequence
 
-from fleetjax.fleet import _join
+from fleetjax import _worker
 from fleetjax.launch._arguments import LaunchError, split_list
 
 
@@ -75,8 +75,8 @@ def join_timeouts(args: argparse.Namespace) -> dict[str, str]:
     waits for the others, and JAX's heartbeat timeout (twice the launchers', so that they
     name a lost node first)."""
     return {
-        _join.JOIN_TIMEOUT_VARIABLE: str(math.ceil(args.join_timeout)),
-        _join.HEARTBEAT_VARIABLE: str(math.ceil(2 * args.peer_timeout)),
+        _worker.JOIN_TIMEOUT: str(math.ceil(args.join_timeout)),
+        _worker.JAX_HEARTBEAT_TIMEOUT: str(math.ceil(2 * args.peer_timeout)),
     }
 
 

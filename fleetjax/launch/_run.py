@@ -14,7 +14,6 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 
 from fleetjax import _worker
-from fleetjax.fleet import _join
 from fleetjax.launch import _job, _rendezvous
 from fleetjax.launch._arguments import PADDLE_MAX_RESTART, LaunchError, parse_args
 from fleetjax.launch._collective import Nodes, collective_workers, layout, where
@@ -128,7 +127,7 @@ def _prepare(
     nodes, this = where(args), layout(args, environ)
     options = _options(args, log_dir, nodes)
     if nodes.nnodes[0] < nodes.nnodes[1]:  # fleet.init() explains a strategy that lost nodes
-        elastic = {_join.MAX_NODES_VARIABLE: str(nodes.nnodes[1])}
+        elastic = {_worker.MAX_NODES: str(nodes.nnodes[1])}
         this = dataclasses.replace(this, env={**this.env, **elastic})
     if nodes.master is None and this.nproc > 1:
         check_port_free(this.start_port)  # worker 0's, the JAX coordinator's

@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import Sequence
 
-from fleetjax import _liveness, _worker
+from fleetjax import _worker
 from fleetjax.launch import _guard
 
 GRACE_SECONDS = 3.0  # between SIGTERM and SIGKILL when stopping workers (Paddle's)
@@ -214,10 +214,11 @@ class Attempt:
         self._joined: set[int] = set()  # workers that joined JAX's runtime
         self._early: tuple[int, float] | None = None  # the first to exit with 0 while others ran
         self._run_id = uuid.uuid4().hex
+        self._marker = f"{_worker.RUN_ID}={self._run_id}"  # in each process's environment
         self._stopped = False
         # The guard ends the run if this process ends without doing so (SIGKILL).
         self._guard = subprocess.Popen(
-            [sys.executable, "-I", _guard.__file__, self._run_id, str(GRACE_SECONDS)],
+            [sys.executable, "-I", _guard.__file__, self._marker, str(GRACE_SECONDS)],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             start_new_session=True,
@@ -250,10 +251,10 @@ class Attempt:
             "PYTHONUNBUFFERED": "1",
             **os.environ,
             **self.workers[index].env,
-            _guard.RUN_ID_VARIABLE: self._run_id,
-            _liveness.HEARTBEAT_FILE_VARIABLE: str(log.absolute()),
-            _liveness.STEPS_FILE_VARIABLE: str(self._steps_files[index].absolute()),
-            _worker.EXIT_FILE_VARIABLE: str(self._exit_files[index].absolute()),
+            _worker.RUN_ID: self._run_id,
+            _worker.HEARTBEAT_FILE: str(log.absolute()),
+            _worker.STEPS_FILE: str(self._steps_files[index].absolute()),
+            _worker.EXIT_FILE: str(self._exit_files[index].absolute()),
         }
         with open(log, "ab" if number else "wb") as out:  # a new log each run
             if number:
@@ -399,7 +400,7 @@ class Attempt:
         if self._stopped:
             return
         self._stopped = True
-        _guard.stop(self._run_id, [proc.pid for proc in self.procs], GRACE_SECONDS)
+        _guard.stop(self._marker, [proc.pid for proc in self.procs], GRACE_SECONDS)
         for proc in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):  # unkillable (in the kernel)
                 proc.wait(timeout=GRACE_SECONDS)

@@ -69,9 +69,9 @@ def test_fleet_distributed_optimizer_rebuilds(monkeypatch):
     fleet = fleetjax.fleet.Fleet()
     fleet.init(strategy=fleetjax.DistributedStrategy(lars=True))
     opt = fleet.distributed_optimizer(fo.momentum(0.1))
-    assert opt.inner.kind == "LarsMomentum" and opt.user.kind == "Momentum"
+    assert opt.rebuilt.kind == "LarsMomentum" and opt.user.kind == "Momentum"
     step = fleetjax.make_train_step(loss_fn, opt)
-    assert step.optimizer is opt.inner
+    assert step.optimizer is opt.rebuilt
 
 
 def test_dgc_before_rampup_is_dense_momentum():

@@ -216,7 +216,16 @@ class TestNothingIsSilentlyIgnored:
 
     def test_merge_of_one_step_is_plain_training(self):
         s = fleetjax.DistributedStrategy(gradient_merge=True)  # k_steps=1, as in Paddle
-        fleetjax.make_train_step(loss_fn, optax.sgd(0.1), s)
+        assert s.gradient_merge_configs.k_steps == 1
+        step = fleetjax.make_train_step(loss_fn, optax.sgd(0.1), s)  # no warning, no error
+        batches = [make_batch(seed) for seed in range(3)]
+        state, losses = step.init(make_params()), []
+        for batch in batches:  # the optimizer steps on every call
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+        expected_params, expected_losses = reference(make_params(), batches, optax.sgd(0.1))
+        np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+        chex.assert_trees_all_close(state.params, expected_params, rtol=1e-5, atol=1e-6)
 
     def test_performance_knobs_warn_once(self):
         s = fleetjax.DistributedStrategy(nccl_comm_num=2)

@@ -118,7 +118,7 @@ def test_a_class_trains_under_a_strategy_as_its_rebuild_on_one_device():
     strategy = fleetjax.DistributedStrategy(lars=True)
     user = opt.Momentum(learning_rate=0.1, grad_clip=opt.ClipGradByValue(max=0.5))
     optimizer = fleetjax.distributed_optimizer(user, strategy)
-    assert optimizer.inner.kind == "LarsMomentum"
+    assert optimizer.rebuilt.kind == "LarsMomentum"
 
     def loss(params, batch):
         return jnp.mean((batch @ params["w"] - 1.0) ** 2)

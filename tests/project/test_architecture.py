@@ -155,6 +155,17 @@ def test_the_tests_sit_in_folders_that_mirror_the_layers():
     assert sorted(p.name for p in tests.glob("test_*.py")) == []
 
 
+def test_the_module_map_names_every_module():
+    """docs/architecture.md's module map has a row naming each of fleetjax's top-level modules
+    and packages."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    rows = text.split("## Module map")[1].split("\n## ")[0]
+    named = set(re.findall(r"`([\w]+)(?:\.py|/)`", rows))
+    top = {p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+    top |= {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert sorted(top - named) == []
+
+
 # -- sizes --------------------------------------------------------------------------------------
 
 FUNCTION_LINES, STEP_LINES = 80, 350

@@ -1,12 +1,15 @@
 """Small MoE layers for the tests, the routings they exercise, and the dense one-device
 reference a layer must equal: every expert on every token, masked by the top-k weights."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
-from fleetjax.layers import BaseGate, ExpertMLP, MoELayer, Routing, TopKRouter
+from fleetjax.layers import BaseGate, ExpertMLP, MoELayer, Routing, TopKRouter, partition_specs
 from fleetjax.layers.moe import load_balancing_loss, sequence_load_balancing_loss, z_loss
 
 D_MODEL, HIDDEN, EXPERTS, TOP_K = 8, 16, 8, 2
@@ -31,11 +34,14 @@ class Ids(nnx.Variable):
 
 class FixedGate(BaseGate):
     """Routes to given experts; the weights are the softmax of a linear layer at them, and the
-    losses are Megatron's three, so that gradients reach the gate through all of them."""
+    losses are Megatron's three, so that gradients reach the gate through all of them. With
+    `kept`, the assignments it drops (-1) add nothing, but the losses count them (as the
+    layer's, whose gate does not see what the dispatch's capacity drops)."""
 
-    def __init__(self, ids: np.ndarray, *, rngs: nnx.Rngs):
+    def __init__(self, ids: np.ndarray, *, kept: np.ndarray | None = None, rngs: nnx.Rngs):
         super().__init__(EXPERTS, 1, ids.shape[1])
         self.ids = Ids(jnp.asarray(ids))
+        self.kept = Ids(jnp.asarray(ids if kept is None else kept))
         self.weight = nnx.Param(jax.random.normal(rngs.params(), (D_MODEL, EXPERTS)) / 3)
 
     def route(self, x, *, sequences=1, rngs=None):
@@ -48,7 +54,8 @@ class FixedGate(BaseGate):
             "seq_aux": 0.001 * sequence_load_balancing_loss(probs, ids, sequences, self.top_k),
             "z": 0.001 * z_loss(logits),
         }
-        return Routing(ids, jnp.take_along_axis(probs, ids, axis=-1), self._record(losses))
+        weights = jnp.take_along_axis(probs, ids, axis=-1)
+        return Routing(self.kept[...], weights, self._record(losses))
 
 
 class PaddleExpert(nnx.Module):
@@ -63,12 +70,12 @@ class PaddleExpert(nnx.Module):
         return self.h4toh(jax.nn.gelu(self.htoh4(x)))
 
 
-def make_layer(routing: str = "router", *, expert=ExpertMLP, seed: int = 0, **options):
+def make_layer(routing="router", *, kept=None, expert=ExpertMLP, seed: int = 0, **options):
     """A MoE layer: a `TopKRouter` with all three losses ("router"), or a `FixedGate` routing
-    as `routing_ids(routing)`."""
+    as `routing_ids(routing)` (or to the given ids; `kept`: see `FixedGate`)."""
     rngs = nnx.Rngs(seed)
     experts = [expert(D_MODEL, HIDDEN, rngs=rngs) for _ in range(EXPERTS)]
-    if routing == "router":
+    if isinstance(routing, str) and routing == "router":
         gate = TopKRouter(
             D_MODEL,
             EXPERTS,
@@ -79,7 +86,8 @@ def make_layer(routing: str = "router", *, expert=ExpertMLP, seed: int = 0, **op
             rngs=rngs,
         )
     else:
-        gate = FixedGate(routing_ids(routing, seed=seed), rngs=rngs)
+        ids = routing if isinstance(routing, np.ndarray) else routing_ids(routing, seed=seed)
+        gate = FixedGate(ids, kept=kept, rngs=rngs)
     return MoELayer(D_MODEL, experts, gate, **options)
 
 
@@ -106,3 +114,47 @@ def dense_reference(layer: MoELayer, x: jax.Array) -> tuple[jax.Array, dict]:
     if layer.shared_expert is not None:
         out = out + layer.shared_expert(tokens)
     return out.reshape(x.shape), routing.losses
+
+
+def split(layer):
+    """The layer's graph, and its parameters and other state as pure dicts (fleetjax's loss
+    functions take them so; `nnx.merge` makes the variables anew in the traced function)."""
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+    return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+
+
+@functools.cache
+def step(graphdef, forward):
+    """value_and_grad of <output, cotangent> + the aux losses, by parameters and input."""
+
+    def loss(params, x, rest, cotangent):
+        out, losses = forward(nnx.merge(graphdef, params, rest), x)
+        return jnp.sum(out * cotangent) + sum(losses.values()), (out, losses)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+
+
+def layer_forward(layer, x):
+    out, stats = layer.call_with_stats(x)
+    return out, {**stats.losses, "dropped": stats.dropped, "rounds": stats.rounds}
+
+
+def run(layer, x, cotangent, mesh=None, forward=layer_forward):
+    """(output, losses, gradients), compiled on `mesh` with the parameters placed by their
+    rules."""
+    graphdef, params, rest = split(layer)
+    if mesh is None:
+        (_, (out, losses)), grads = step(graphdef, forward)(params, x, rest, cotangent)
+        return out, losses, grads
+    with jax.set_mesh(mesh):
+        specs = nnx.to_pure_dict(partition_specs(nnx.state(layer, nnx.Param), mesh=mesh))
+        placed = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+        (_, (out, losses)), grads = step(graphdef, forward)(placed, x, rest, cotangent)
+    return out, losses, grads
+
+
+def assert_close(actual, expected):
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected), strict=True
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6, err_msg=jax.tree_util.keystr(path))

@@ -104,11 +104,12 @@ RngsLike = nnx.Rngs | nnx.RngStream | jax.Array | None
 
 def stream(rngs: nnx.Rngs | nnx.RngStream | None, layer: str) -> nnx.RngStream | None:
     """The gate's own ``"routing"`` stream (or the default one) from its constructor's `rngs`, as
-    flax's ``Dropout`` keeps its stream."""
+    flax's ``Dropout`` keeps its stream; None where `rngs` has neither."""
     if rngs is None:
         return nnx.data(None)
     if isinstance(rngs, nnx.Rngs):
-        return rngs["routing"].fork() if "routing" in rngs else rngs.default.fork()
+        names = [name for name in ("routing", "default") if name in rngs]
+        return rngs[names[0]].fork() if names else nnx.data(None)
     if isinstance(rngs, nnx.RngStream):
         return rngs.fork()
     raise TypeError(f"{layer}: rngs must be an nnx.Rngs, an nnx.RngStream or None, got {rngs!r}")

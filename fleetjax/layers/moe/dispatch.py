@@ -56,7 +56,15 @@ from fleetjax.layers.moe.experts import apply_grouped
 from fleetjax.layers.moe.routing import inverse_permutation, rank_within_expert, routing_key
 from fleetjax.layers.partitioning import free_axes, logical_to_spec
 
-__all__ = ["DISPATCHERS", "DROP_POLICIES", "Dispatch", "Layout", "all_to_all_bytes", "dispatch"]
+__all__ = [
+    "DISPATCHERS",
+    "DROP_POLICIES",
+    "Dispatch",
+    "Layout",
+    "all_to_all_bytes",
+    "dispatch",
+    "split_tokens",
+]
 
 DISPATCHERS = ("alltoall", "allgather")
 DROP_POLICIES = ("probs", "position")
@@ -185,6 +193,17 @@ def layout(
             "rule for 'expert')"
         )
     return found
+
+
+def split_tokens(tokens: jax.Array, where: Layout) -> jax.Array:
+    """`tokens` ``[T, H]`` split over the dispatch's token axes, so that the gate routes each
+    token where it is dispatched from (not on gathered copies)."""
+    if where.mesh is None:
+        return tokens
+    sharding = NamedSharding(where.mesh, PartitionSpec(where.tokens or None))
+    if AxisType.Explicit in where.mesh.axis_types:
+        return jax.sharding.reshard(tokens, sharding)
+    return jax.lax.with_sharding_constraint(tokens, sharding)
 
 
 def _stacked_names(stacked: nnx.Module) -> list[tuple[str | None, ...]]:

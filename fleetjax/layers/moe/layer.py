@@ -153,13 +153,13 @@ class MoELayer(nnx.Module):
                 f"MoELayer takes [batch, seq, d_model] or [tokens, d_model] with d_model="
                 f"{self.d_model}, got shape {inp.shape}"
             )
-        tokens = inp.reshape(-1, self.d_model)
-        sequences = inp.shape[0] if inp.ndim == 3 else 1
-        routing = self.gate.route(tokens, sequences=sequences, rngs=rngs)
         grouped = self.dispatch.grouped_gemm and has_grouped(self.experts)
         where = dispatch_.layout(
             self.experts, self.num_expert, _TOKENS[inp.ndim], self.moe_group, self.mp_group, grouped
         )
+        tokens = dispatch_.split_tokens(inp.reshape(-1, self.d_model), where)
+        sequences = inp.shape[0] if inp.ndim == 3 else 1
+        routing = self.gate.route(tokens, sequences=sequences, rngs=rngs)
         per_assignment, dropped, rounds = dispatch_.dispatch(
             self.experts, tokens, routing.experts, routing.weights, where, self.dispatch
         )

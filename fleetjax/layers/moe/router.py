@@ -202,7 +202,7 @@ def _group_limited(scores: jax.Array, groups: int, chosen: int, k: int) -> jax.A
     scores the sum of its ``k / chosen`` best scores."""
     tokens, experts = scores.shape
     grouped = scores.reshape(tokens, groups, experts // groups)
-    group_scores = jax.lax.top_k(grouped, k // chosen)[0].sum(axis=-1)
-    _, best = jax.lax.top_k(group_scores, chosen)
+    group_scores = top_k(grouped, k // chosen)[0].sum(axis=-1)
+    _, best = top_k(group_scores, chosen)
     keep = jnp.zeros((tokens, groups), bool).at[jnp.arange(tokens)[:, None], best].set(True)
     return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(tokens, experts)

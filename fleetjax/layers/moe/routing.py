@@ -173,9 +173,13 @@ def drop_beyond_capacity(
 
 
 def top_k(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """The `k` largest of each row of `scores`, largest first, and their indices (int32)."""
-    values, indices = jax.lax.top_k(scores, k)
-    return values, indices.astype(jnp.int32)
+    """The `k` largest of each row of `scores`, largest first (ties: the lower index first),
+    and their indices (int32): `jax.lax.top_k`'s result, by a sort of each row. XLA's
+    partitioner gathers every row onto each device for ``top_k``'s custom call; a sort of the
+    last dimension it runs where the rows are."""
+    index = jax.lax.broadcasted_iota(jnp.int32, scores.shape, scores.ndim - 1)
+    negated, index = jax.lax.sort((-scores, index), dimension=-1, num_keys=1, is_stable=True)
+    return -negated[..., :k], index[..., :k]
 
 
 def expert_counts(experts: jax.Array, num_experts: int) -> jax.Array:

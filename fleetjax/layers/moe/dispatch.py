@@ -174,7 +174,7 @@ def layout(
     experts = tuple(a for a in expert_axes if a in free)
     tensor: tuple[str, ...] = ()
     if grouped:
-        for names in _stacked_names(stacked):
+        for names in _Parameters.of(stacked).names:
             spec = logical_to_spec(names[1:], mesh=mesh, taken=experts)
             tensor += tuple(a for e in spec for a in _axes(e) if a not in tensor)
     tokens: tuple[str, ...] = ()
@@ -206,11 +206,27 @@ def split_tokens(tokens: jax.Array, where: Layout) -> jax.Array:
     return jax.lax.with_sharding_constraint(tokens, sharding)
 
 
-def _stacked_names(stacked: nnx.Module) -> list[tuple[str | None, ...]]:
-    return [
-        tuple(v.get_metadata().get("out_sharding") or ())
-        for _, v in nnx.to_flat_state(nnx.state(stacked))
-    ]
+class _Parameters(NamedTuple):
+    """The stacked experts taken apart: their graph, their parameters' values (in one order)
+    and logical names, and everything else they hold (nothing that a dispatch reads)."""
+
+    graphdef: Any
+    structure: Any  # of the parameters' pure dict
+    rest: Any
+    values: list[jax.Array]
+    names: list[tuple[str | None, ...]]
+
+    @classmethod
+    def of(cls, stacked: nnx.Module) -> _Parameters:
+        graphdef, params, rest = nnx.split(stacked, nnx.Param, ...)
+        variables = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        names = [tuple(v.get_metadata().get("out_sharding") or ()) for v in variables]
+        values, structure = jax.tree.flatten(nnx.to_pure_dict(params))
+        return cls(graphdef, structure, rest, values, names)
+
+    def module(self, values: list[jax.Array]) -> nnx.Module:
+        """The stacked experts with the parameters `values` (a device's slices)."""
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self.structure, values), self.rest)
 
 
 class _Static(NamedTuple):
@@ -218,7 +234,7 @@ class _Static(NamedTuple):
 
     layout: Layout
     config: Dispatch
-    graphdef: Any  # the stacked experts' graph and state structure
+    parameters: _Parameters  # the stacked experts' structure (no values)
     experts: int  # E
     local: int  # E / P
     chunk: int  # S: rows per peer and round
@@ -273,9 +289,9 @@ def dispatch(
     Raises:
       ValueError: if the token axes do not divide the tokens.
     """
-    graphdef, state = nnx.split(stacked)
-    leaves, treedef = jax.tree.flatten(state)
-    num_experts = jax.tree.leaves(state)[0].shape[0]
+    parameters = _Parameters.of(stacked)
+    leaves = parameters.values
+    num_experts = leaves[0].shape[0]
     token_ways = where.size(where.tokens)
     count = tokens.shape[0]
     if count % token_ways:
@@ -294,14 +310,20 @@ def dispatch(
     else:
         chunk = math.ceil((1 + config.buffer) * assignments / ranks) if ranks > 1 else assignments
     static = _Static(
-        where, config, (graphdef, treedef), num_experts, num_experts // ranks, chunk, capacity
+        where,
+        config,
+        parameters._replace(values=[]),
+        num_experts,
+        num_experts // ranks,
+        chunk,
+        capacity,
     )
     body = functools.partial(_local, static)
     if where.mesh is None:
         return body(leaves, tokens, experts, weights)
     token_spec = PartitionSpec(where.tokens or None)
     leaf_specs = [
-        _leaf_spec(names, where, grouped=bool(where.tensor)) for names in _stacked_names(stacked)
+        _leaf_spec(names, where, grouped=bool(where.tensor)) for names in parameters.names
     ]
     run = jax.shard_map(
         body,
@@ -459,8 +481,7 @@ def _grouped(static: _Static, leaves: list, rows: jax.Array, keys: jax.Array) ->
     """The local experts on `rows`, row ``i`` to expert ``keys[i]`` (``E / P``: none, 0)."""
 
     def run(leaves: list, rows: jax.Array) -> jax.Array:
-        graphdef, treedef = static.graphdef
-        stacked = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+        stacked = static.parameters.module(leaves)
         order = jnp.argsort(keys, stable=True)
         sizes = jnp.bincount(keys, length=static.local + 1)[: static.local].astype(jnp.int32)
         out = apply_grouped(stacked, rows[order], sizes, grouped_gemm=static.config.grouped_gemm)

@@ -134,9 +134,13 @@ class MoELayer(nnx.Module):
 
     def __call__(self, inp: jax.Array, *, rngs: RngsLike = None) -> jax.Array:
         """Paddle's ``forward``: the layer's output for `inp` ``[batch, seq, d_model]`` (or
-        ``[tokens, d_model]``); the call's `MoEStats` are sown as `MoEAux` ``"stats"``."""
+        ``[tokens, d_model]``); under ``nnx.capture`` the call's `MoEStats` are sown as `MoEAux`
+        ``"stats"``."""
         out, stats = self.call_with_stats(inp, rngs=rngs)
-        self.sow(MoEAux, "stats", stats)
+        # Only under nnx.capture (which gives modules their captures): elsewhere flax's sow is
+        # deprecated and would add the stats to the module's state, changing its structure.
+        if hasattr(self, "__captures__"):
+            self.sow(MoEAux, "stats", stats)
         return out
 
     def call_with_stats(

@@ -67,6 +67,7 @@ def test_experts_without_a_grouped_matmul_run_tile_by_tile():
     assert_close(grads, expected_grads)
 
 
+@pytest.mark.slow
 def test_grouped_gemm_off_and_recompute_give_the_same_numbers():
     x, cotangent = inputs()
     out, _, grads = run(make_layer("zipf"), x, cotangent, mesh())

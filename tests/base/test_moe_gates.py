@@ -61,9 +61,7 @@ def test_paddle_gates_equal_paddle(name, cls, mode, options):
 def test_capacity_follows_paddles_examples():
     # _prune_gate_by_capacity's example: expert 3's fourth assignment is over its 3.
     ids = jnp.array([1, 3, 3, 3, 3, 2, 1, 1])[:, None]
-    np.testing.assert_array_equal(
-        drop_beyond_capacity(ids, 8, 3)[:, 0], [1, 3, 3, 3, -1, 2, 1, 1]
-    )
+    np.testing.assert_array_equal(drop_beyond_capacity(ids, 8, 3)[:, 0], [1, 3, 3, 3, -1, 2, 1, 1])
     # _limit_by_capacity's: worker 0 sends counts [1, 2, 2], worker 1 [8, 3, 6] to experts
     # of capacity 5; worker 0's tokens come first, so worker 1 keeps [4, 3, 3].
     counts = [[1, 2, 2], [8, 3, 6]]
@@ -183,7 +181,8 @@ def test_losses_follow_their_formulas():
         return 8 * np.sum(share * p.mean(0))
 
     lse = np.log(np.exp(logits).sum(-1))
-    seq = np.mean([balance(p, e) for p, e in zip(np.split(probs, 3), np.split(experts, 3))])
+    halves = zip(np.split(probs, 3), np.split(experts, 3), strict=True)
+    seq = np.mean([balance(p, e) for p, e in halves])
     expected = {"aux": 0.5 * balance(probs, experts), "seq_aux": 0.25 * seq,
                 "z": 0.125 * np.mean(lse**2)}  # fmt: skip
     assert routing.losses.keys() == expected.keys()

@@ -41,9 +41,7 @@ def all_to_alls(text):
         if c.op == "all-to-all"
     ]
     sent = lambda found, kind: [  # noqa: E731
-        c.result_bytes * (c.group_size - 1) // c.group_size
-        for c in found
-        if c.arrays[0][0] == kind
+        c.result_bytes * (c.group_size - 1) // c.group_size for c in found if c.arrays[0][0] == kind
     ]
     return sent(top, "f32"), sent(top, "s32"), sent(looped, "f32")
 
@@ -52,7 +50,9 @@ def mesh(shape, names):
     return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
 
 
-@pytest.mark.parametrize("grad", [False, True], ids=["forward", "step"])
+@pytest.mark.parametrize(
+    "grad", [pytest.param(False, marks=pytest.mark.slow), True], ids=["forward", "step"]
+)
 def test_dropless_sends_the_buffer_each_way_and_overflow_rounds_in_a_loop(grad):
     found, counts, looped = all_to_alls(compiled(make_layer("router"), mesh((8,), ("ep",)), grad))
     each_way = all_to_all_bytes(TOKENS // 8, D_MODEL, TOP_K, EXPERTS, 8, itemsize=ITEMSIZE)
@@ -65,7 +65,9 @@ def test_dropless_sends_the_buffer_each_way_and_overflow_rounds_in_a_loop(grad):
     assert sorted(looped) == sorted([each_way] * 2 + ([2 * each_way, each_way] if grad else []))
 
 
-@pytest.mark.parametrize("grad", [False, True], ids=["forward", "step"])
+@pytest.mark.parametrize(
+    "grad", [pytest.param(False, marks=pytest.mark.slow), True], ids=["forward", "step"]
+)
 def test_capacity_sends_cf_t_k_h_b_each_way(grad):
     layer = make_layer("router", capacity_factor=1.5)
     found, counts, looped = all_to_alls(compiled(layer, mesh((8,), ("ep",)), grad))

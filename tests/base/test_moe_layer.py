@@ -20,13 +20,15 @@ LAYOUTS = {
     "ep4_folded": ((2, 2, 2), ("dp", "ep", "mp"), {"moe_group": ("ep", "mp")}),
     "allgather_ep4": ((2, 4), ("dp", "ep"), {"dispatcher": "allgather"}),
     "allgather_ep2_etp2": ((2, 2, 2), ("dp", "ep", "mp"), {"dispatcher": "allgather"}),
+    "ep2_etp2_explicit": ((2, 2, 2), ("dp", "ep", "mp"), {}),
 }
-DEFAULT = ("ep1", "ep8", "ep2_etp2", "ep4_folded", "allgather_ep2_etp2")
+DEFAULT = ("ep1", "ep8", "ep4_folded", "allgather_ep2_etp2", "ep2_etp2_explicit")
 
 
 def mesh_of(layout: str) -> jax.sharding.Mesh:
     shape, names, _ = LAYOUTS[layout]
-    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+    kind = AxisType.Explicit if layout.endswith("explicit") else AxisType.Auto
+    return jax.make_mesh(shape, names, axis_types=(kind,) * len(shape))
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from flax import nnx
 from jax.sharding import AxisType
 from moe_models import assert_close, inputs, make_layer, split
 
-from fleetjax.transforms import gradient_merge, grad_fn, recompute
+from fleetjax.transforms import grad_fn, gradient_merge, recompute
 
 MESH = ((2, 4), ("dp", "ep"))
 
@@ -56,7 +56,12 @@ def test_gradient_merge_takes_the_mean_of_its_micro_batches():
 
 @pytest.mark.parametrize(
     "wrap",
-    [jax.checkpoint, lambda f: recompute.remat(f, policy="nothing_saveable")],
+    [
+        jax.checkpoint,
+        pytest.param(
+            lambda f: recompute.remat(f, policy="nothing_saveable"), marks=pytest.mark.slow
+        ),
+    ],
     ids=["jax.checkpoint", "fleetjax.transforms.recompute.remat"],
 )
 def test_recompute_counts_the_losses_once(wrap):

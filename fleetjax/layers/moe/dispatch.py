@@ -63,6 +63,7 @@ __all__ = [
     "Layout",
     "all_to_all_bytes",
     "dispatch",
+    "join_tokens",
     "split_tokens",
 ]
 
@@ -130,12 +131,14 @@ class Layout(NamedTuple):
       experts: the expert axes, over which the experts split (``P`` their sizes' product).
       tensor: the expert tensor axes, over which an expert's hidden dimension splits (``Q``).
       tokens: the axes the tokens split over inside the dispatch.
+      arrival: the axes the tokens arrive split over (the first of `tokens`).
     """
 
     mesh: AbstractMesh | None
     experts: tuple[str, ...] = ()
     tensor: tuple[str, ...] = ()
     tokens: tuple[str, ...] = ()
+    arrival: tuple[str, ...] = ()
 
     def size(self, axes: Sequence[str]) -> int:
         return math.prod(self.mesh.shape[a] for a in axes) if self.mesh is not None else 1
@@ -177,13 +180,14 @@ def layout(
         for names in _Parameters.of(stacked).names:
             spec = logical_to_spec(names[1:], mesh=mesh, taken=experts)
             tensor += tuple(a for e in spec for a in _axes(e) if a not in tensor)
-    tokens: tuple[str, ...] = ()
+    arrival: tuple[str, ...] = ()
     for entry in logical_to_spec(token_names, mesh=mesh):
-        tokens += _axes(entry)
+        arrival += _axes(entry)
+    tokens = arrival
     for axis in (*experts, *tensor, *extra_token_axes):
         if axis in free and axis not in tokens:
             tokens += (axis,)
-    found = Layout(mesh, experts, tensor, tokens)
+    found = Layout(mesh, experts, tensor, tokens, arrival)
     ways = found.size(experts)
     if num_experts % ways:
         split = " x ".join(f"{a}={mesh.shape[a]}" for a in experts)
@@ -198,9 +202,21 @@ def layout(
 def split_tokens(tokens: jax.Array, where: Layout) -> jax.Array:
     """`tokens` ``[T, H]`` split over the dispatch's token axes, so that the gate routes each
     token where it is dispatched from (not on gathered copies)."""
+    return _split(tokens, where, where.tokens)
+
+
+def join_tokens(tokens: jax.Array, where: Layout) -> jax.Array:
+    """The layer's output ``[T, H]`` back on the axes its input arrived split over. On Auto
+    axes XLA places it as the model asks; on Explicit axes the array's type must say so."""
+    if where.mesh is None or AxisType.Explicit not in where.mesh.axis_types:
+        return tokens
+    return _split(tokens, where, where.arrival)
+
+
+def _split(tokens: jax.Array, where: Layout, axes: tuple[str, ...]) -> jax.Array:
     if where.mesh is None:
         return tokens
-    sharding = NamedSharding(where.mesh, PartitionSpec(where.tokens or None))
+    sharding = NamedSharding(where.mesh, PartitionSpec(axes or None))
     if AxisType.Explicit in where.mesh.axis_types:
         return jax.sharding.reshard(tokens, sharding)
     return jax.lax.with_sharding_constraint(tokens, sharding)

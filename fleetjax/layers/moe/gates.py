@@ -155,8 +155,8 @@ class GShardGate(NaiveGate):
         if self.random_routing:
             key = draw_key("GShardGate", rngs, self.rngs, "random routing of the 2nd expert")
             u = jax.random.uniform(key, (tokens,), jnp.float32)
-            second = jnp.where(2 * values[:, 1] < u, -1, experts[:, 1])
-            experts = experts.at[:, 1].set(second)
+            dropped = (2 * values[:, 1] < u)[:, None] & (jnp.arange(2) == 1)
+            experts = jnp.where(dropped, -1, experts)
         return Routing(experts, values, self._record({"gshard": loss}))
 
 

@@ -180,7 +180,8 @@ class MoELayer(nnx.Module):
             dropped=gate_dropped + dropped,
             rounds=rounds,
         )
-        return out.reshape(inp.shape).astype(inp.dtype), stats
+        out = dispatch_.join_tokens(out.astype(inp.dtype), where)
+        return out.reshape(inp.shape), stats
 
     def expert(self, index: int) -> nnx.Module:
         """Expert `index` as a module of its own (a copy of its parameters)."""

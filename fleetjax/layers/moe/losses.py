@@ -31,6 +31,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
+
+from fleetjax.layers.moe.routing import on_auto_axes
 
 __all__ = [
     "MoEAux",
@@ -57,10 +60,15 @@ def sequence_load_balancing_loss(
     """`load_balancing_loss` within each of `sequences` equal runs of tokens, averaged:
     `probs` ``[T, E]``, `experts` ``[T, k]`` (``-1``: dropped)."""
     num_experts = probs.shape[1]
-    per = probs.reshape(sequences, -1, num_experts)
-    hits = jax.nn.one_hot(experts.reshape(sequences, -1), num_experts, dtype=jnp.float32)
-    counts = hits.sum(axis=1)  # [sequences, E]; one_hot of -1 is all zeros
-    return jnp.mean(jax.vmap(lambda p, c: load_balancing_loss(p, c, top_k))(per, counts))
+
+    def loss(probs: jax.Array, experts: jax.Array) -> jax.Array:
+        per = probs.reshape(sequences, -1, num_experts)
+        hits = jax.nn.one_hot(experts.reshape(sequences, -1), num_experts, dtype=jnp.float32)
+        counts = hits.sum(axis=1)  # [sequences, E]; one_hot of -1 is all zeros
+        return jnp.mean(jax.vmap(lambda p, c: load_balancing_loss(p, c, top_k))(per, counts))
+
+    # Sequences need not line up with the tokens' split: XLA chooses how to split this.
+    return on_auto_axes(loss, PartitionSpec())(probs, experts)
 
 
 def z_loss(logits: jax.Array) -> jax.Array:

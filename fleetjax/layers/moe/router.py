@@ -204,5 +204,5 @@ def _group_limited(scores: jax.Array, groups: int, chosen: int, k: int) -> jax.A
     grouped = scores.reshape(tokens, groups, experts // groups)
     group_scores = top_k(grouped, k // chosen)[0].sum(axis=-1)
     _, best = top_k(group_scores, chosen)
-    keep = jnp.zeros((tokens, groups), bool).at[jnp.arange(tokens)[:, None], best].set(True)
+    keep = jnp.any(best[:, :, None] == jnp.arange(groups), axis=1)  # [tokens, groups]
     return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(tokens, experts)

@@ -10,19 +10,23 @@ its capacity, the expert load) is therefore over the global batch: the same unde
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import AxisType
 
 from fleetjax.layers._params import check_sizes
+from fleetjax.layers.partitioning import free_axes
 
 __all__ = [
     "BaseGate",
     "GateLoss",
     "Routing",
     "drop_beyond_capacity",
+    "on_auto_axes",
     "rank_within_expert",
     "routing_key",
 ]
@@ -143,6 +147,23 @@ def inverse_permutation(order: jax.Array) -> jax.Array:
     return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
 
 
+def on_auto_axes(fn: Callable[..., Any], out_specs: Any) -> Callable[..., Any]:
+    """`fn` run with the context mesh's Explicit axes as Auto (`jax.sharding.auto_axes`), its
+    outputs split as `out_specs` says; `fn` itself on Auto axes or with no mesh. For the
+    computations over the global batch (a sort of every assignment, a loss per sequence) whose
+    split is XLA's to choose: on Explicit axes JAX asks for each step's sharding."""
+    mesh = jax.sharding.get_abstract_mesh()
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True)) if not mesh.empty else {}
+    if not any(types[a] == AxisType.Explicit for a in (free_axes(mesh) if types else ())):
+        return fn
+    return jax.sharding.auto_axes(fn, out_sharding=out_specs)
+
+
+def spec_of(x: jax.Array) -> Any:
+    """`x`'s PartitionSpec on Explicit axes (its type carries it)."""
+    return jax.typeof(x).sharding.spec
+
+
 def rank_within_expert(
     experts: jax.Array, num_experts: int, priority: jax.Array | None = None
 ) -> jax.Array:
@@ -153,12 +174,16 @@ def rank_within_expert(
     This is the order in which an expert's capacity is filled: Paddle's
     ``prune_gate_by_capacity`` (by position) and Megatron's ``--moe-token-drop-policy``
     (``position``, or ``probs`` with the routing probabilities as `priority`)."""
-    key = routing_key(experts, num_experts)
-    by_position = priority is None
-    order = jnp.argsort(key, stable=True) if by_position else jnp.lexsort((-priority, key))
-    counts = jnp.bincount(key, length=num_experts + 1)
-    first = jnp.cumsum(counts) - counts
-    return (inverse_permutation(order.astype(jnp.int32)) - first[key]).astype(jnp.int32)
+
+    def ranks(experts: jax.Array, priority: jax.Array | None) -> jax.Array:
+        key = routing_key(experts, num_experts)
+        by_position = priority is None
+        order = jnp.argsort(key, stable=True) if by_position else jnp.lexsort((-priority, key))
+        counts = jnp.bincount(key, length=num_experts + 1)
+        first = jnp.cumsum(counts) - counts
+        return (inverse_permutation(order.astype(jnp.int32)) - first[key]).astype(jnp.int32)
+
+    return on_auto_axes(ranks, spec_of(experts))(experts, priority)
 
 
 def drop_beyond_capacity(
@@ -168,8 +193,8 @@ def drop_beyond_capacity(
     (ranked by `rank_within_expert` over the flat ``[T k]`` order)."""
     flat = experts.reshape(-1)
     flat_priority = None if priority is None else priority.reshape(-1)
-    rank = rank_within_expert(flat, num_experts, flat_priority)
-    return jnp.where(rank < capacity, flat, -1).reshape(experts.shape).astype(jnp.int32)
+    rank = rank_within_expert(flat, num_experts, flat_priority).reshape(experts.shape)
+    return jnp.where(rank < capacity, experts, -1).astype(jnp.int32)
 
 
 def top_k(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -177,7 +202,7 @@ def top_k(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     and their indices (int32): `jax.lax.top_k`'s result, by a sort of each row. XLA's
     partitioner gathers every row onto each device for ``top_k``'s custom call; a sort of the
     last dimension it runs where the rows are."""
-    index = jax.lax.broadcasted_iota(jnp.int32, scores.shape, scores.ndim - 1)
+    index = jnp.zeros_like(scores, jnp.int32) + jnp.arange(scores.shape[-1], dtype=jnp.int32)
     negated, index = jax.lax.sort((-scores, index), dimension=-1, num_keys=1, is_stable=True)
     return -negated[..., :k], index[..., :k]
 
@@ -185,5 +210,7 @@ def top_k(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 def expert_counts(experts: jax.Array, num_experts: int) -> jax.Array:
     """``[num_experts]`` float32: the assignments each expert receives (dropped ones
     excluded)."""
-    key = routing_key(experts.reshape(-1), num_experts)
-    return jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.float32)
+    # A compare and a sum (one fused reduction), which XLA splits over the tokens like any
+    # sum; a scatter (bincount) would need its output's sharding spelled out on Explicit axes.
+    hits = experts.reshape(-1)[:, None] == jnp.arange(num_experts, dtype=experts.dtype)
+    return jnp.sum(hits, axis=0, dtype=jnp.float32)

@@ -7,7 +7,7 @@ Two shapes of one width ``H``, each with ``k x F`` active hidden units a token:
 * fine-grained: 64 experts of ``F`` = 128, top-8 (DeepSeek's).
 
 Each step is `jax.value_and_grad` of the sum of squares of the layer's output over its
-parameters, jitted on 8 devices (the accelerators where there are 8, else simulated CPU
+parameters and input, jitted on 8 devices (the accelerators where there are 8, else simulated CPU
 devices), the tokens split over the 8:
 
 * dense FFN: `ExpertMLP(H, k F)` on every token, data parallel (the baseline);
@@ -17,8 +17,10 @@ devices), the tokens split over the 8:
 * MoE, ep = 1: the grouped layer with every expert on every device (no all-to-all).
 
 The variants alternate step by step in one process; a time is the median over the rounds and
-"vs dense" the median of each round's ratio. "GFLOP" is XLA's count for one device's step
-(`cost_analysis`), "all-to-all KiB" what a device sends per step (from the compiled HLO).
+"vs dense" the median of each round's ratio. "matmul GFLOP" counts one device's step from the
+compiled HLO (`fleetjax.cost.hlo_cost`: every trip of a loop of known length, the overflow
+rounds' loop once); "all-to-all KiB" is what a device sends in the first round's all-to-alls
+(dispatch and combine, forward and backward), which `all_to_all_bytes` gives.
 
     python benchmarks/moe.py [--quick]
 """
@@ -41,7 +43,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from fleetjax import hlo  # noqa: E402
+from fleetjax import cost, hlo  # noqa: E402
 from fleetjax.layers import (  # noqa: E402
     ExpertMLP,
     MoEAux,
@@ -102,21 +104,24 @@ def step(shape: Shape, variant: str, tokens: int, devices: list[jax.Device]) -> 
         specs = partition_specs(params, mesh=mesh)
         params = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
         x = jax.device_put(x, NamedSharding(mesh, jax.sharding.PartitionSpec(mesh.axis_names)))
-        compiled = jax.jit(jax.value_and_grad(loss)).lower(params, x).compile()
-    flops = float(compiled.cost_analysis().get("flops", 0.0))
-    return Step(lambda: jax.block_until_ready(compiled(params, x)), compiled.as_text(), flops)
+        # The input's gradient too, as for a layer inside a model.
+        compiled = jax.jit(jax.value_and_grad(loss, (0, 1))).lower(params, x).compile()
+    text = compiled.as_text()
+    flops = cost.hlo_cost(text, dict(cost.DEVICE_SPECS)["cpu"], N).matmul_flops
+    return Step(lambda: jax.block_until_ready(compiled(params, x)), text, flops)
 
 
 def all_to_all_kib(text: str) -> float:
-    """KiB a device sends to the others in the step's all-to-alls (each loop's body once)."""
-    return (
-        sum(
-            c.result_bytes * (c.group_size - 1) / c.group_size
-            for c in hlo.collectives(text)
-            if c.op == "all-to-all" and c.group_size
-        )
-        / 1024
-    )
+    """KiB a device sends to the others in the step's first-round all-to-alls (those outside
+    the overflow rounds' loops), the experts' counts left out."""
+    parts, entry = hlo.computations(text)
+    found = hlo.collectives("\n".join(parts[entry]))
+    sent = [c.result_bytes * (c.group_size - 1) / c.group_size for c in found if _rows(c)]
+    return sum(sent) / 1024
+
+
+def _rows(collective: hlo.Collective) -> bool:
+    return collective.op == "all-to-all" and collective.arrays[0][0] != "s32"
 
 
 def measure(shape: Shape, tokens: int, rounds: int, devices: list[jax.Device]) -> list[dict]:
@@ -139,7 +144,7 @@ def measure(shape: Shape, tokens: int, rounds: int, devices: list[jax.Device]) -
             "vs dense": statistics.median(
                 t / d for t, d in zip(times[variant], dense, strict=True)
             ),
-            "GFLOP": steps[variant].flops / 1e9,
+            "matmul GFLOP": steps[variant].flops / 1e9,
             "all-to-all KiB": all_to_all_kib(steps[variant].text),
         }
         for variant in VARIANTS
@@ -165,7 +170,7 @@ def _figure(rows: list[dict]) -> Figure:
 
 def run(quick: bool = False) -> Result:
     devices = bench_devices(N)
-    tokens = N * (128 if quick else 512)
+    tokens = N * (128 if quick else 256)
     rounds = 3 if quick else 10
     rows = [row for shape in SHAPES for row in measure(shape, tokens, rounds, devices)]
     title = "MoE layer vs a dense FFN of the same active FLOPs"
@@ -175,32 +180,41 @@ def run(quick: bool = False) -> Result:
 def _notes(rows: list[dict], tokens: int) -> str:
     at = {(r["shape"], r["variant"]): r for r in rows}
 
-    def ratio(shape: str, variant: str, column: str = "vs dense") -> str:
+    def of(shape: str, variant: str, column: str = "vs dense") -> str:
         return f"{at[shape, variant][column]:.2f}"
 
+    def flops(shape: str, variant: str) -> str:
+        return of(shape, variant, "matmul GFLOP")
+
+    grouped, loop = "MoE, grouped matmul", "MoE, loop over experts"
+    faster = {
+        shape.name: "faster" if at[shape.name, loop]["step ms"] < at[shape.name, grouped]["step ms"]
+        else "slower"
+        for shape in SHAPES
+    }  # fmt: skip
     return f"""
 {tokens} tokens of width {WIDTH} a step ({tokens // N} a device), forward and backward, on
-{N} devices. The dense FFN runs the same `k x F` hidden units a token as the experts do, so the
-MoE layers' extra time is routing (the router, its top-k, the loss), sorting the assignments,
-packing the all-to-all buffers and the experts' grouping. A step of the grouped layer takes
-{ratio("few-large", "MoE, grouped matmul")}x the dense step's time for few-large experts and
-{ratio("fine-grained", "MoE, grouped matmul")}x for fine-grained ones; the loop over experts
-{ratio("few-large", "MoE, loop over experts")}x and
-{ratio("fine-grained", "MoE, loop over experts")}x.
+{N} devices. The dense FFN runs the same `k x F` hidden units a token as the experts, so a MoE
+layer's extra time is the routing (the router, its top-k and loss), sorting the assignments,
+packing the all-to-all buffers, grouping the rows by expert and the experts' own work. The
+grouped layer's step takes {of("few-large", grouped)}x the dense step's time with few-large
+experts and {of("fine-grained", grouped)}x with fine-grained ones; the loop over experts
+{of("few-large", loop)}x and {of("fine-grained", loop)}x.
 
-Where the time goes: XLA:CPU has no grouped matmul. It compiles `jax.lax.ragged_dot` to a
-dense matmul against every local expert's weights, masked, so the grouped layer's FLOPs are
-the local experts' count times the dense layer's: XLA counts
-{ratio("few-large", "MoE, grouped matmul", "GFLOP")} GFLOP a device for few-large (1 expert a
-device) and {ratio("fine-grained", "MoE, grouped matmul", "GFLOP")} for fine-grained (8 a
-device), against {ratio("few-large", "dense FFN", "GFLOP")} for the dense step; with every
-expert on every device (ep = 1) {ratio("fine-grained", "MoE, ep = 1", "GFLOP")}. The loop
-over experts runs each expert on its own rows only (in tiles), at
-{ratio("fine-grained", "MoE, loop over experts", "GFLOP")} GFLOP, so on CPU it is the faster
-form for fine-grained experts. On GPUs XLA runs `ragged_dot` as a grouped GEMM over the rows
-alone (the compile-only H100 targets are the place to measure that). The all-to-all column is
-the dropless buffer, 1.25 x the balanced size, each way and in the backward pass, plus the
-overflow rounds' loop body once; on simulated CPU devices an all-to-all is a memory copy.
+Where the time goes: XLA:CPU has no grouped matmul. It compiles `jax.lax.ragged_dot` to one
+matmul against every local expert's weights, masked, so the grouped layer computes every local
+expert on every row it received: {flops("few-large", grouped)} matmul GFLOP a device with
+few-large experts (1 a device) and {flops("fine-grained", grouped)} with fine-grained ones (8 a
+device), against {flops("few-large", "dense FFN")} for the dense step, and with every expert on
+every device (ep = 1) {flops("few-large", "MoE, ep = 1")} and
+{flops("fine-grained", "MoE, ep = 1")}. The rows are the receive buffer's, 1.25 x the balanced
+count, and the overflow rounds' loop, counted once, adds a buffer more. The loop over experts
+runs each expert on its own rows, tile by tile ({flops("few-large", loop)} and
+{flops("fine-grained", loop)} GFLOP), and is {faster["few-large"]} than the grouped matmul
+with few-large experts and {faster["fine-grained"]} with fine-grained ones here. On GPUs XLA
+runs `ragged_dot` as a grouped GEMM over the rows alone; the compile-only H100 targets are the
+place to measure that. On simulated CPU devices an all-to-all is a memory copy; the KiB are
+exactly 4 x `all_to_all_bytes` (the tests read the same from the HLO).
 """
 
 

@@ -174,13 +174,13 @@ def apply_grouped(
 
 def _tiles(stacked: nnx.Module, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """The experts applied tile by tile: tile ``i`` holds up to ``tile`` rows of one expert
-    (each group is cut into ``ceil(size / tile)`` tiles), so ``rows / tile + experts`` tiles
-    cover any grouping. A tile's forward pass is recomputed in the backward pass, so that each
-    tile keeps only its expert and first row."""
+    (each group is cut into ``ceil(size / tile)`` tiles), so ``(rows + experts (tile - 1)) /
+    tile`` tiles cover any grouping. A tile's forward pass is recomputed in the backward pass,
+    so that each tile keeps only its expert and first row."""
     rows, width = x.shape
     experts = group_sizes.shape[0]
     tile = max(1, min(512, math.ceil(rows / experts)))
-    count = math.ceil(rows / tile) + experts
+    count = (rows + experts * (tile - 1)) // tile
     graphdef, state = nnx.split(stacked)
     per_expert = -(-group_sizes // tile)
     ends = jnp.cumsum(per_expert)

@@ -5,9 +5,12 @@ tile by tile; recompute changes nothing but memory."""
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import AxisType
 from moe_models import (
+    D_MODEL,
     EXPERTS,
+    HIDDEN,
     TOP_K,
     PaddleExpert,
     assert_close,
@@ -58,9 +61,10 @@ def test_capacity_drops_exactly_as_configured_and_counts_it(policy):
     assert_close(grads, expected_grads)
 
 
-def test_experts_without_a_grouped_matmul_run_tile_by_tile():
+def test_experts_without_a_grouped_matmul_run_tile_by_tile_beside_a_shared_expert():
     x, cotangent = inputs()
-    layer = make_layer("zipf", expert=PaddleExpert)
+    shared = PaddleExpert(D_MODEL, HIDDEN, rngs=nnx.Rngs(5))
+    layer = make_layer("zipf", expert=PaddleExpert, shared_expert=shared)
     out, _, grads = run(layer, x, cotangent, mesh())
     expected, _, expected_grads = run(layer, x, cotangent, forward=dense_reference)
     assert_close(out, expected)

@@ -2,9 +2,9 @@
 
 The layer's tokens ``[T, H]`` (a global array) and each token's ``k`` experts go into a
 `shard_map` over the context mesh, the tokens split over the axes they arrive split on (the
-data and sequence axes), the expert axes and the expert tensor axes: tokens that every rank of
-an expert axis holds are first split among those ranks (Megatron's EP with TP), and gathered
-back after. The ``E`` experts split in ``P`` contiguous blocks over the expert axes (``E / P``
+data and sequence axes) and then over every other axis: tokens that every rank of an axis
+holds (an expert axis, a tensor-parallel axis) are first split among those ranks (Megatron's
+EP with TP), so that no two devices dispatch the same token, and gathered back after. The ``E`` experts split in ``P`` contiguous blocks over the expert axes (``E / P``
 on each rank, the linear index of the axes as a `PartitionSpec` splits them); an expert's
 hidden dimension may be split ``Q`` ways over the expert tensor axes.
 
@@ -155,15 +155,14 @@ def layout(
     num_experts: int,
     token_names: tuple[str, ...],
     expert_axes: tuple[str, ...] | None,
-    extra_token_axes: tuple[str, ...],
     grouped: bool,
 ) -> Layout:
     """The layout of the context mesh (`jax.set_mesh`, or a `shard_map`'s) for a dispatch:
     the expert axes (`expert_axes`, else where the rules put the logical ``"expert"``), the
     expert tensor axes (the axes the rules split the stacked experts' other dimensions over;
-    none for experts applied tile by tile, which run whole), and the token axes (where the
-    logical `token_names` split the tokens, then the expert, expert tensor and
-    `extra_token_axes`). Axes the mesh lacks, or has as manual axes, are left out.
+    none for experts applied tile by tile, which run whole), and the token axes: where the
+    logical `token_names` split the tokens, then every other axis, so that no two devices
+    dispatch the same token. Axes the mesh lacks, or has as manual axes, are left out.
 
     Raises:
       ValueError: if the expert axes do not divide `num_experts`.
@@ -183,10 +182,7 @@ def layout(
     arrival: tuple[str, ...] = ()
     for entry in logical_to_spec(token_names, mesh=mesh):
         arrival += _axes(entry)
-    tokens = arrival
-    for axis in (*experts, *tensor, *extra_token_axes):
-        if axis in free and axis not in tokens:
-            tokens += (axis,)
+    tokens = arrival + tuple(a for a in free_axes(mesh) if a not in arrival)
     found = Layout(mesh, experts, tensor, tokens, arrival)
     ways = found.size(experts)
     if num_experts % ways:

@@ -15,8 +15,9 @@ takes Paddle's arguments:
   the experts split over (``"ep"``, or a tuple such as ``("ep", "mp")``). None: where the rules
   put the logical ``"expert"`` (``"ep"`` by default);
 * ``mp_group``: Paddle's tensor-parallel group, whose ranks each dispatch a slice of the
-  tokens and gather the outputs back; here mesh axis name(s). Tokens every rank of an expert or
-  expert tensor axis holds are split over it anyway;
+  tokens and gather the outputs back; here mesh axis name(s), accepted for Paddle's calls: the
+  layer splits the tokens over every mesh axis they are whole on (this one too), so that no
+  two devices dispatch the same token;
 * ``recompute_interval > 0``: the experts' activations are recomputed in the backward pass
   (``jax.checkpoint``); ``recompute_ctx``'s ``offload`` and ``partition`` have no effect and
   warn (its ``mp_group`` is the mesh's business).
@@ -66,7 +67,7 @@ class MoELayer(nnx.Module):
         other modules run tile by tile).
       gate: a dict (Paddle's, or ``"topk"``), a `BaseGate`, or None (``{"type": "gshard"}``).
       moe_group: the expert mesh axes (a name or tuple of names); None: the rules' ``"expert"``.
-      mp_group: mesh axes (a name or tuple) over which the tokens are split for the dispatch.
+      mp_group: mesh axes (a name or tuple); the tokens split over every axis anyway.
       recompute_interval: > 0 recomputes the experts' activations in the backward pass.
       recompute_ctx: Paddle's recompute context (``mp_group``, ``offload``, ``partition``).
       shared_expert: a module every token also goes through, added to the output (DeepSeek's
@@ -159,7 +160,7 @@ class MoELayer(nnx.Module):
             )
         grouped = self.dispatch.grouped_gemm and has_grouped(self.experts)
         where = dispatch_.layout(
-            self.experts, self.num_expert, _TOKENS[inp.ndim], self.moe_group, self.mp_group, grouped
+            self.experts, self.num_expert, _TOKENS[inp.ndim], self.moe_group, grouped
         )
         tokens = dispatch_.split_tokens(inp.reshape(-1, self.d_model), where)
         sequences = inp.shape[0] if inp.ndim == 3 else 1

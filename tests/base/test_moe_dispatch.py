@@ -44,7 +44,7 @@ def dropped_by_capacity(ids, weights, capacity, policy, devices=8):
     return kept
 
 
-@pytest.mark.parametrize("policy", ["probs", "position"])
+@pytest.mark.parametrize("policy", ["probs", pytest.param("position", marks=pytest.mark.slow)])
 def test_capacity_drops_exactly_as_configured_and_counts_it(policy):
     x, cotangent = inputs()
     ids = routing_ids("zipf")

@@ -54,7 +54,9 @@ def mesh(shape, names):
     "grad", [pytest.param(False, marks=pytest.mark.slow), True], ids=["forward", "step"]
 )
 def test_dropless_sends_the_buffer_each_way_and_overflow_rounds_in_a_loop(grad):
-    found, counts, looped = all_to_alls(compiled(make_layer("router"), mesh((8,), ("ep",)), grad))
+    text = compiled(make_layer("router"), mesh((8,), ("ep",)), grad)
+    assert not [c for c in collectives(text) if c.op == "all-gather"]
+    found, counts, looped = all_to_alls(text)
     each_way = all_to_all_bytes(TOKENS // 8, D_MODEL, TOP_K, EXPERTS, 8, itemsize=ITEMSIZE)
     # 16 tokens x top-2 a device: 32 rows, a buffer of 8 x ceil(1.25 x 32 / 8) = 40 rows
     assert each_way == 40 * D_MODEL * ITEMSIZE * 7 // 8
@@ -79,6 +81,7 @@ def test_capacity_sends_cf_t_k_h_b_each_way(grad):
     assert counts == [] and looped == []
 
 
+@pytest.mark.slow
 def test_folded_and_expert_tensor_axes_split_the_tokens_and_gather_no_tokens():
     """Experts over ep x mp, or over ep with mp splitting their hidden units: each device
     dispatches an eighth of the tokens either way, and nothing gathers them (the gate routes

@@ -45,12 +45,20 @@ def test_gradient_merge_takes_the_mean_of_its_micro_batches():
     (outputs, grads) = on_mesh(lambda p, b: merged(p, None, b), params, batch())
     # by hand, on one device: micro-batch i is rows i, i + 2 (gradient_merge.split_batch)
     parts = [jax.tree.map(lambda v, i=i: v[i::2], batch()) for i in range(2)]
-    each = [jax.jit(lambda p, b: step(p, None, b))(params, part) for part in parts]
+    alone = jax.jit(lambda p, b: step(p, None, b))  # one compile for both halves
+    each = [alone(params, part) for part in parts]
     mean = lambda *xs: sum(xs) / len(xs)  # noqa: E731
     assert_close(outputs.aux, jax.tree.map(mean, *[o.aux for o, _ in each]))
     assert_close(grads, jax.tree.map(mean, *[g for _, g in each]))
+
+
+@pytest.mark.slow
+def test_the_z_and_sequence_losses_of_micro_batches_average_to_the_whole_batchs():
+    step, params = losses_and_grads(make_layer())
+    merged = gradient_merge.microbatched(step, 2)
+    outputs, _ = on_mesh(lambda p, b: merged(p, None, b), params, batch())
     whole, _ = jax.jit(lambda p, b: step(p, None, b))(params, batch())
-    for name in ("z", "seq_aux"):  # means over tokens and sequences: the whole batch's
+    for name in ("z", "seq_aux"):  # means over tokens and sequences
         assert_close(outputs.aux[name], whole.aux[name])
 
 

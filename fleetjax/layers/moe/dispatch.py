@@ -4,9 +4,10 @@ The layer's tokens ``[T, H]`` (a global array) and each token's ``k`` experts go
 `shard_map` over the context mesh, the tokens split over the axes they arrive split on (the
 data and sequence axes) and then over every other axis: tokens that every rank of an axis
 holds (an expert axis, a tensor-parallel axis) are first split among those ranks (Megatron's
-EP with TP), so that no two devices dispatch the same token, and gathered back after. The ``E`` experts split in ``P`` contiguous blocks over the expert axes (``E / P``
-on each rank, the linear index of the axes as a `PartitionSpec` splits them); an expert's
-hidden dimension may be split ``Q`` ways over the expert tensor axes.
+EP with TP), so that no two devices dispatch the same token, and gathered back after. The
+``E`` experts split in ``P`` contiguous blocks over the expert axes (``E / P`` on each rank,
+the linear index of the axes as a `PartitionSpec` splits them); an expert's hidden dimension
+may be split ``Q`` ways over the expert tensor axes.
 
 On each device, ``T`` tokens and ``A = T k`` assignments (an assignment is a token and one of
 its experts):

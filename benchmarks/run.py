@@ -30,6 +30,7 @@ NAMES = (
     "memory_transforms",
     "pipeline_memory",
     "sparse_tables",
+    "moe",
     "input_pipeline",
     "gpu",
     "h100",

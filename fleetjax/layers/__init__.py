@@ -8,6 +8,10 @@ that place their parameters and activations on the mesh.
     with jax.set_mesh(mesh):                                   # Auto or Explicit axes
         loss = jax.jit(loss_fn, in_shardings=(shardings, batch_sharding))(state, batch)
 
+`MoELayer` is Paddle's mixture-of-experts layer (``paddle.incubate.distributed.models.moe``)
+with its gates and Megatron-Core's, MaxText's and DeepSeek-V3's routing, dispatching tokens over
+the expert axis ``ep`` (`fleetjax.layers.moe`).
+
 `attention` splits the sequence over Paddle's ``sep`` (all-to-all) and ``cp`` (ring attention)
 axes; the sequence-parallel layers (`ColumnSequenceParallelLinear`, ...) are Megatron's sequence
 parallelism over ``mp``.
@@ -23,6 +27,21 @@ from fleetjax.layers.batch_norm import BatchNorm
 from fleetjax.layers.cross_entropy import ParallelCrossEntropy, parallel_cross_entropy
 from fleetjax.layers.embedding import VocabParallelEmbedding
 from fleetjax.layers.linear import ColumnParallelLinear, RowParallelLinear
+from fleetjax.layers.moe import (
+    BaseGate,
+    ExpertBias,
+    ExpertMLP,
+    GShardGate,
+    MoEAux,
+    MoELayer,
+    MoEStats,
+    NaiveGate,
+    Routing,
+    SwitchGate,
+    TopKRouter,
+    all_to_all_bytes,
+    moe_aux,
+)
 from fleetjax.layers.partitioning import (
     DEFAULT_RULES,
     LogicalNames,
@@ -54,22 +73,35 @@ from fleetjax.layers.sparse_embedding import (
 
 __all__ = [
     "AllGatherOp",
+    "BaseGate",
     "BatchNorm",
     "ColumnParallelLinear",
     "ColumnSequenceParallelLinear",
+    "ExpertBias",
+    "ExpertMLP",
+    "GShardGate",
     "GatherOp",
+    "MoEAux",
+    "MoELayer",
+    "MoEStats",
+    "NaiveGate",
     "ReduceScatterOp",
     "RowSequenceParallelLinear",
+    "Routing",
     "ScatterOp",
     "ParallelCrossEntropy",
     "RowParallelLinear",
     "SparseEmbedding",
     "SparseTable",
+    "SwitchGate",
+    "TopKRouter",
     "VocabParallelEmbedding",
     "parallel_cross_entropy",
+    "all_to_all_bytes",
     "attention",
     "is_sequence_parallel_parameter",
     "mark_as_sequence_parallel_parameter",
+    "moe_aux",
     "register_sequence_parallel_allreduce_hooks",
     "sequence_parallel_options",
     "to_load_balanced",

@@ -3,8 +3,8 @@
 Parameters and activations name their dimensions with *logical* axes (``"vocab"``, ``"embed"``,
 ``"mlp"``, ``"activation_batch"``, ...), as flax does (`nnx.with_partitioning`,
 `nn.with_logical_partitioning`); rules map each logical name to mesh axes (``dp``, ``sharding``,
-``pp``, ``mp``) or to None (not split). The same model then splits differently under different
-rules, and runs unsplit with no mesh at all.
+``pp``, ``mp``, ``ep``) or to None (not split). The same model then splits differently under
+different rules, and runs unsplit with no mesh at all.
 
 Rules are ``(logical name, mesh axes)`` pairs in priority order, with flax linen's semantics:
 going down the rules, a dimension takes the first rule for its name whose mesh axes no other
@@ -56,6 +56,10 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("embed", None),
     ("kv", None),
     ("layers", None),
+    # A MoE layer's experts split over the expert axis; an expert's hidden units over mp
+    # (expert tensor parallelism; rule "expert_mlp" to None for whole experts).
+    ("expert", "ep"),
+    ("expert_mlp", "mp"),
     # A sparse table's rows are split over every device (fleetjax.layers.SparseEmbedding).
     ("table_rows", ("dp", "sharding", "pp", "mp")),
     # Activations: the batch is split over the data axes, features as their weights are, the

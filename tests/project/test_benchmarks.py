@@ -111,3 +111,27 @@ def test_sparse_tables_step_stays_flat_as_the_table_grows(tmp_path):
     assert sparse[-1]["arguments MiB per device"] == pytest.approx(
         10**7 * 16 * 4 / 8 / 2**20, rel=0.05
     )
+
+
+@pytest.mark.slow
+def test_moe_rows_send_the_all_to_all_formula(tmp_path):
+    from fleetjax.layers import all_to_all_bytes
+
+    command = [sys.executable, str(RUN), "--quick", "--out", str(tmp_path), "--only", "moe"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr
+    found = json.loads((tmp_path / "results" / "moe.json").read_text())["rows"]
+    variants = ["dense FFN", "MoE, grouped matmul", "MoE, loop over experts", "MoE, ep = 1"]
+    assert [(r["shape"], r["variant"]) for r in found] == [
+        (shape, variant) for shape in ("few-large", "fine-grained") for variant in variants
+    ]
+    for row in found:
+        experts, top_k = {"few-large": (8, 2), "fine-grained": (64, 8)}[row["shape"]]
+        ranks = 8 if row["variant"] in variants[1:3] else 1  # dense and ep = 1: no all-to-all
+        each_way = all_to_all_bytes(128, 256, top_k, experts, ranks)  # --quick: 128 tokens
+        assert row["all-to-all KiB"] == pytest.approx(4 * each_way / 1024)
+        assert row["step ms"] > 0 and row["matmul GFLOP"] > 0
+    assert (
+        "## MoE layer vs a dense FFN of the same active FLOPs"
+        in (tmp_path / "RESULTS.md").read_text()
+    )

@@ -46,6 +46,8 @@ PUBLIC_MODULES = (
     "fleetjax.transforms.pipeline",
     "fleetjax.transforms.pipeline.schedules",
     "fleetjax.layers",
+    "fleetjax.layers.moe",
+    "fleetjax.incubate.distributed.models.moe",
     "fleetjax.xla_flags",
     "fleetjax.auto",
     "fleetjax.targets",

@@ -1,0 +1,5 @@
+"""Paddle's ``paddle.incubate.distributed``: its ``models.moe``."""
+
+from fleetjax.incubate.distributed import models
+
+__all__ = ["models"]

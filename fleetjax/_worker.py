@@ -6,16 +6,28 @@ Why: a process that joined JAX's runtime waits in those handlers for every other
 (JAX's shutdown barrier, up to 5 minutes), and those may wait for it in a collective. The
 launcher reads the file, so a worker that ends (`sys.exit(3)`, an uncaught exception) is named
 with its code at once, whatever the others do afterwards.
+
+On `STACKS_SIGNAL` the worker writes the Python stack of each of its threads to
+`FLEETJAX_STACKS_FILE` (`faulthandler`: from the signal handler itself, so also while the
+process waits in XLA or in a collective); the launcher asks for them when a worker seems hung.
+This file imports nothing of fleetjax (nor JAX): the script starts at once.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import runpy
+import signal
 import sys
+import threading
 import types
 
 EXIT_FILE_VARIABLE = "FLEETJAX_EXIT_FILE"
+STACKS_FILE_VARIABLE = "FLEETJAX_STACKS_FILE"
+# A real-time signal: nothing else sends it (schedulers send SIGUSR1/SIGUSR2, SIGTERM).
+STACKS_SIGNAL = signal.SIGRTMIN + 2
+MAIN_THREAD = "main thread"  # the stacks file's first line: "main thread 0x<its id>"
 JOINED = "joined"  # in the exit file until the script ends: the process joined JAX's runtime
 
 
@@ -49,8 +61,23 @@ def _from_script(tb: types.TracebackType | None, script: str) -> types.Traceback
     return tb
 
 
+def _stacks_on_signal() -> None:
+    """Write every thread's stack to the stacks file on `STACKS_SIGNAL` (once it exists, the
+    launcher may send the signal); its first line names the main thread."""
+    path = os.environ.get(STACKS_FILE_VARIABLE)
+    if path:
+        # Kept open by faulthandler for the process's life; appended to by each dump. Named
+        # only once the handler is there: the signal would end a process without it.
+        stacks = open(f"{path}.new", "a")  # noqa: SIM115
+        stacks.write(f"{MAIN_THREAD} 0x{threading.get_ident():016x}\n")  # as dumps name it
+        stacks.flush()
+        faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True)
+        os.rename(f"{path}.new", path)
+
+
 def main(argv: list[str]) -> None:
     script, *args = argv
+    _stacks_on_signal()
     sys.argv = [script, *args]
     # As `python train.py` has it (`python -P` left the entry out, keeping PYTHONPATH's first).
     sys.path.insert(0, os.path.dirname(os.path.realpath(script)))

@@ -25,7 +25,12 @@
                                    `raise_exit0` (raise SystemExit(0)), `os_exit0`
                                    (os._exit(0)), `spin` (a busy Python loop), `sleep`
                                    or `freeze` (SIGSTOP: not even JAX's heartbeats go on);
-                                   `none`: no fault, all stop after 10 s, exit 0
+                                   `none`: no fault, all stop after 10 s, exit 0;
+                                   `first_call` (not at step 5): worker 1's first step waits
+                                   in a host callback for 600 s, within its first call
+    launch_worker.py jit FAULT     join the others and loop over a plain `jax.jit` all-reduce
+                                   (no TrainStep, no output); at iteration 5 worker 1 does
+                                   FAULT as `steps` has it
 
 Every worker first prints `pid=<its pid>`, so a test can find (and clean up) each process.
 """
@@ -68,6 +73,7 @@ def _faults(fault: str) -> None:
 
 def _train_until_fault(rank: int, fault: str) -> None:
     """Train with a TrainStep (no output per step) until worker 1's fault at step 5."""
+    import jax
     import jax.numpy as jnp
     import numpy as np
     import optax
@@ -75,15 +81,20 @@ def _train_until_fault(rank: int, fault: str) -> None:
     import fleetjax
 
     _joined(rank)
-    step = fleetjax.make_train_step(
-        lambda params, batch: jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2),
-        optax.sgd(0.01),
-    )
+
+    def loss(params, batch):
+        if fault == "first_call" and rank == 1:  # runs in the step's first (and every) call
+            jax.debug.callback(
+                lambda: print(f"fault at {time.time()}", flush=True) or time.sleep(600)
+            )
+        return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+
+    step = fleetjax.make_train_step(loss, optax.sgd(0.01))
     state = step.init({"w": jnp.zeros((4, 1))})
     rows = {"x": np.ones((8, 4), np.float32), "y": np.ones((8, 1), np.float32)}
     begin = time.monotonic()
     for i in range(1_000_000):
-        if rank == 1 and i == 5 and fault != "none":
+        if rank == 1 and i == 5 and fault not in ("none", "first_call"):
             _faults(fault)
         # All stop at the same step: every 64 steps, worker 0 says whether 10 s passed.
         if fault == "none" and i % 64 == 0:
@@ -94,6 +105,23 @@ def _train_until_fault(rank: int, fault: str) -> None:
                 return
         state, metrics = step(state, rows)
         float(metrics["loss"])  # as a loop that logs would: each step waits for the last
+
+
+def _jit_until_fault(rank: int, fault: str) -> None:
+    """A loop of plain `jax.jit` all-reduces over every process's devices until worker 1's
+    fault at iteration 5."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    _joined(rank)
+    mesh = jax.make_mesh((jax.device_count(),), ("d",))
+    x = jax.device_put(jnp.ones(jax.device_count()), NamedSharding(mesh, PartitionSpec("d")))
+    total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, PartitionSpec()))
+    for i in range(1_000_000):
+        if rank == 1 and i == 5:
+            _faults(fault)
+        total(x + i).block_until_ready()
 
 
 def _wait_until_all_started() -> None:
@@ -175,6 +203,9 @@ def main(mode: str, args: list[str]) -> int:
         return 0
     if mode == "steps":
         _train_until_fault(rank, args[0])
+        return 0
+    if mode == "jit":
+        _jit_until_fault(rank, args[0])
         return 0
     raise ValueError(f"unknown mode {mode!r}")
 

@@ -47,11 +47,10 @@ _POLL_SECONDS = 0.1
 # wait in JAX) before it is named as the one they wait for.
 EARLY_END_SECONDS = 5.0
 STACKS_WAIT_SECONDS = 3.0  # for the workers' stack dumps (a loaded machine schedules late)
-LOOK_SECONDS = 1.0  # at least, when the launcher looks at what the workers do
+LOOK_SECONDS = 1.0  # when the launcher looks at what the workers do: the probes' span
+PROBES = 5  # of whether a worker's main thread runs Python code
 # Where a main thread's innermost Python frame shows that it waits for the other processes: in
-# JAX (a collective, a transfer, XLA running) or in fleetjax's agreements. A main thread that
-# uses this share of a CPU or more while the launcher looks is busy, not waiting.
-_BUSY_CPU = 0.05
+# JAX (a collective, a transfer, XLA running) or in fleetjax's agreements.
 _WAITING_IN = (
     f"{os.sep}jax{os.sep}",
     f"{os.sep}jaxlib{os.sep}",
@@ -167,35 +166,34 @@ def thread_frames(stacks: str, ident: str) -> list[tuple[str, str, str]]:
 
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
-    """What a worker was doing when the launcher looked: its threads' Python stacks (a
-    faulthandler dump, "" if none came: frozen, ended, not started), its main thread's frames
-    and the share of a CPU that thread used meanwhile."""
+    """What a worker was doing when the launcher looked (`_worker.STACKS_SIGNAL`,
+    `_worker.PROBE_SIGNAL`): its threads' Python stacks ("" if none came: frozen, ended, not
+    started), its main thread's frames, and whether that thread ran Python code (rather than
+    wait in a C call, such as XLA's) at a probe."""
 
     stacks: str
-    frames: list[tuple[str, str, str]]  # of its main thread, innermost first
-    cpu: float
+    frames: list[tuple[str, str, str]]  # innermost first
+    runs_python: bool
 
     @property
     def in_jax(self) -> bool:
         """Whether its innermost Python frame is in JAX or in fleetjax's agreements."""
-        frames = self.frames
-        return bool(frames) and any(part in frames[0][0] for part in _WAITING_IN)
+        return bool(self.frames) and any(part in self.frames[0][0] for part in _WAITING_IN)
 
     @property
-    def working(self) -> bool:
-        """Importing a module, or computing in JAX (tracing): progress without output."""
-        importing = any(path.startswith("<frozen importlib") for path, _, _ in self.frames)
-        return importing or (self.in_jax and self.cpu >= _BUSY_CPU)
+    def importing(self) -> bool:
+        """Whether it imports a module: progress without output (JAX takes seconds)."""
+        return any(path.startswith("<frozen importlib") for path, _, _ in self.frames)
 
     @property
     def rank(self) -> int:
-        """0: runs its own code (on a CPU; or it sent no stack), 1: waits in its own code (a
-        sleep, or a call into JAX's C++ such as `block_until_ready`), 2: waits in JAX's Python
-        (for a transfer, a collective, an agreement): a worker the others wait for ranks
-        before those that wait for it."""
-        if not self.frames or (self.cpu >= _BUSY_CPU and not self.in_jax):
-            return 0
-        return 2 if self.in_jax else 1
+        """0: runs its own Python code (or sent no stack: frozen); 1: waits in a C call made
+        from its own code (JAX's C++ `block_until_ready`, a jitted call, a sleep); 2: waits in
+        JAX's Python (for a transfer, a collective) or in fleetjax's agreements. A worker the
+        others wait for ranks before those that wait."""
+        if self.in_jax:
+            return 2
+        return 0 if self.runs_python or not self.frames else 1
 
     @property
     def where(self) -> str:
@@ -204,15 +202,6 @@ class Snapshot:
             return "no stack came"
         path, line, function = self.frames[0]
         return f"{os.path.basename(path)}:{line} (in {function})"
-
-
-def _cpu_seconds(pid: int) -> float:
-    """The CPU time the main thread of process `pid` used so far (0 if it is gone)."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        fields = pathlib.Path(f"/proc/{pid}/task/{pid}/stat").read_text().rpartition(")")[2]
-        utime, stime = fields.split()[11:13]
-        return (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
-    return 0.0
 
 
 def _die_with_launcher() -> None:
@@ -289,6 +278,7 @@ class Attempt:
         self._steps_files = [run_dir / f"steps.{worker.log_name}" for worker in workers]
         self._stacks_files = [run_dir / f"stacks.{worker.log_name}" for worker in workers]
         self._stacks_taken = 0.0  # the silence (its start) whose stacks an early end took
+        self._silence: Failure | None = None  # a hang or an early end, once named
         self._seen_working: dict[int, float] = {}  # when its stack showed it worked (_hung)
         self._ended: dict[int, int] = {}  # index: exit status, of workers known to have ended
         self._exited: set[int] = set()
@@ -435,13 +425,15 @@ class Attempt:
                 with contextlib.suppress(OSError):  # when the worker wrote it
                     when = self._exit_files[index].stat().st_mtime
                 return self._failure(index, f"exited with code {status}", status, when)
-        return self._left_early() or self._hung()
+        # Named once: looking again would signal the workers and add their stacks again.
+        self._silence = self._silence or self._left_early() or self._hung()
+        return self._silence
 
     def _hung(self) -> Failure | None:
         """If a running worker made no progress for longer than the timeout: the one the others
         wait for. The launcher looks at what each running worker does (`_look`; the stacks go
-        into the logs): one seen importing or tracing works, and so do workers that wait while
-        another works. Of the workers silent for half the timeout or more, the one named runs
+        into the logs): one seen importing works, and workers that wait in JAX while another
+        works wait for it. Of the workers silent for half the timeout or more, the one named runs
         its own code rather than waits (`Snapshot.rank`), then has the fewest steps (those
         ahead wait in a collective), then has been silent the longest."""
         timeout = self._heartbeat_timeout
@@ -454,7 +446,7 @@ class Attempt:
         seen = self._look(running)
         now = time.time()
         for i in running:
-            if seen[i].working:
+            if seen[i].importing:
                 self._seen_working[i] = now
         last = {i: self._last_progress(i) for i in running}
         silent = [i for i in running if now - last[i] >= timeout / 2]
@@ -528,33 +520,33 @@ class Attempt:
         return Failure(self._name(index), what, 1, ended, str(self.logs[index]))
 
     def _look(self, indices: Sequence[int]) -> dict[int, Snapshot]:
-        """What workers `indices` are doing: each one's stack dump and CPU use over the
-        `LOOK_SECONDS` (or more) that the dumps take."""
-        asked, cpu, began = {}, {}, time.monotonic()
+        """What workers `indices` are doing: each one's stacks, and whether its main thread
+        ran Python code at one of `PROBES` probes over `LOOK_SECONDS` (a dump that is late is
+        waited for up to `STACKS_WAIT_SECONDS`)."""
+        asked, began = {}, time.monotonic()
         for index in indices:
-            cpu[index] = _cpu_seconds(self.procs[index].pid)
-            with contextlib.suppress(OSError):  # no file: its handler is not set up yet
+            with contextlib.suppress(OSError):  # no file: its handlers are not set up yet
                 asked[index] = self._stacks_files[index].stat().st_size
                 os.kill(self.procs[index].pid, _worker.STACKS_SIGNAL)
-        dumps: dict[int, str] = {}
-        seen: dict[int, str] = {}  # at the poll before: a dump is whole once it stops growing
-        deadline = began + STACKS_WAIT_SECONDS
-        while time.monotonic() < began + LOOK_SECONDS or (
-            len(dumps) < len(asked) and time.monotonic() < deadline
-        ):
-            time.sleep(_POLL_SECONDS)
+        for _ in range(PROBES):
+            time.sleep(LOOK_SECONDS / PROBES)
+            for index in asked:
+                with contextlib.suppress(OSError):
+                    os.kill(self.procs[index].pid, _worker.PROBE_SIGNAL)
+        texts: dict[int, str] = {}
+        while True:
             for index, size in asked.items():
                 with contextlib.suppress(OSError):
-                    text = self._stacks_files[index].read_bytes()[size:].decode(errors="replace")
-                    if index not in dumps and text and text == seen.get(index):
-                        dumps[index] = text
-                    seen[index] = text
-        took = time.monotonic() - began
+                    stacks = self._stacks_files[index].read_bytes()[size:]
+                    texts[index] = stacks.decode(errors="replace")
+            if all(texts.get(i) for i in asked) or time.monotonic() > began + STACKS_WAIT_SECONDS:
+                break
+            time.sleep(_POLL_SECONDS)
         looked = {}
         for index in indices:
-            text, ident = dumps.get(index, ""), self._main_thread(index)
-            used = _cpu_seconds(self.procs[index].pid) - cpu[index]
-            looked[index] = Snapshot(text, thread_frames(text, ident), used / took)
+            text, runs = texts.get(index, ""), f"{_worker.RUNS_PYTHON}\n"
+            dump, python = text.replace(runs, ""), runs in text
+            looked[index] = Snapshot(dump, thread_frames(dump, self._main_thread(index)), python)
         return looked
 
     def _main_thread(self, index: int) -> str:

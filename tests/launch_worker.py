@@ -26,8 +26,8 @@
                                    (os._exit(0)), `spin` (a busy Python loop), `sleep`
                                    or `freeze` (SIGSTOP: not even JAX's heartbeats go on);
                                    `none`: no fault, all stop after 10 s, exit 0;
-                                   `first_call` (not at step 5): worker 1's first step waits
-                                   in a host callback for 600 s, within its first call
+                                   `first_call` (not at step 5): the first step waits in a
+                                   host callback for 600 s (on the process JAX runs it on)
     launch_worker.py jit FAULT     join the others and loop over a plain `jax.jit` all-reduce
                                    (no TrainStep, no output); at iteration 5 worker 1 does
                                    FAULT as `steps` has it
@@ -82,10 +82,9 @@ def _train_until_fault(rank: int, fault: str) -> None:
 
     _joined(rank)
 
-    def stall() -> None:  # in worker 1's first step: its devices never finish it
-        if rank == 1:
-            print(f"fault at {time.time()}", flush=True)
-            time.sleep(600)
+    def stall() -> None:  # JAX runs it on one process: its step never ends, nor the others'
+        print(f"fault at {time.time()}", flush=True)
+        time.sleep(600)
 
     def loss(params, batch):
         if fault == "first_call":  # every process compiles the same program

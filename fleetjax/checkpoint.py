@@ -406,7 +406,7 @@ class CheckpointManager:
         for step in self.all_steps():
             try:
                 writer = self._manifest(step)["writer"]
-            except (CorruptCheckpointError, KeyError, TypeError):
+            except (CorruptCheckpointError, UnreadableCheckpointError, KeyError, TypeError):
                 continue  # reported when restored
             if writer != self._WRITER:
                 others.setdefault(str(writer), []).append(step)
@@ -587,8 +587,10 @@ class CheckpointManager:
             path = os.path.join(where, "_METADATA")
             try:
                 os.stat(path)
-            except OSError as e:  # missing (proof), or not to be seen now (no proof)
-                problem = f"the array metadata {path} cannot be found ({e.strerror})"
+            except FileNotFoundError as e:  # proof
+                raise self._read_error(step, f"the array metadata {path} is missing", e) from None
+            except OSError as e:  # not to be seen now: no proof
+                problem = f"the array metadata {path} cannot be read ({e.strerror})"
                 raise self._read_error(step, problem, e) from None
             raise self._corrupt(step, f"orbax finds no array metadata in {where}")
         return {"/".join(k): v for k, v in ocp.tree.to_flat_dict(metadata.tree).items()}

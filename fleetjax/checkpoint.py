@@ -73,10 +73,10 @@ class UnreadableCheckpointError(OSError):
     cause."""
 
 
-# Tensorstore's codes (and zstd's words) for files that are missing or do not decode: proof of
-# damage. Others (PERMISSION_DENIED, UNAVAILABLE, an OS error of the access) are not.
+# Tensorstore's codes (and its and zstd's words) for files that are missing or do not decode:
+# proof of damage. Others (PERMISSION_DENIED, UNAVAILABLE, an OS error of the access) are not.
 _DAMAGE_CODES = ("NOT_FOUND", "DATA_LOSS", "OUT_OF_RANGE")
-_DAMAGE_WORDS = ("Data corruption detected",)
+_DAMAGE_WORDS = ("Data corruption detected", "Invalid JSON", "Error decoding")
 
 
 def _proves_damage(error: BaseException) -> bool:

@@ -28,6 +28,9 @@
                                    `none`: no fault, all stop after 10 s, exit 0;
                                    `first_call` (not at step 5): the first step waits in a
                                    host callback for 600 s (on the process JAX runs it on)
+    launch_worker.py batches HOW   join the others and train 6 steps with a TrainStep, printing
+                                   each loss: `first`, worker 0 passes 4 rows a step and
+                                   worker 1 8; `later`, both 8, worker 1 16 from step 3 on
     launch_worker.py jit FAULT     join the others and loop over a plain `jax.jit` all-reduce
                                    (no TrainStep, no output); at iteration 5 worker 1 does
                                    FAULT as `steps` has it
@@ -107,6 +110,29 @@ def _train_until_fault(rank: int, fault: str) -> None:
                 return
         state, metrics = step(state, rows)
         float(metrics["loss"])  # as a loop that logs would: each step waits for the last
+
+
+def _batches(rank: int, how: str) -> None:
+    """Train with batches of each process's own shapes (`how`: see the module docstring)."""
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import fleetjax
+
+    _joined(rank)
+    step = fleetjax.make_train_step(
+        lambda params, batch: jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2),
+        optax.sgd(0.01),
+    )
+    state = step.init({"w": jnp.zeros((4, 1))})
+    for i in range(6):
+        rows = 8 if how == "later" else 4 * (rank + 1)
+        rows = 16 if how == "later" and rank == 1 and i >= 2 else rows
+        print(f"step {i + 1}: {rows} rows at {time.time()}", flush=True)
+        batch = {"x": np.ones((rows, 4), np.float32), "y": np.ones((rows, 1), np.float32)}
+        state, metrics = step(state, batch)
+        print(f"step {i + 1}: loss {float(metrics['loss'])}", flush=True)
 
 
 def _jit_until_fault(rank: int, fault: str) -> None:
@@ -208,6 +234,9 @@ def main(mode: str, args: list[str]) -> int:
         return 0
     if mode == "jit":
         _jit_until_fault(rank, args[0])
+        return 0
+    if mode == "batches":
+        _batches(rank, args[0])
         return 0
     raise ValueError(f"unknown mode {mode!r}")
 

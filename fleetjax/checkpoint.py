@@ -51,6 +51,7 @@ from etils import epath
 from jax import lax
 
 from fleetjax import _coordinator
+from fleetjax._warnings import user_stacklevel
 
 STATE, EXTRA, MANIFEST = "state", "extra", "fleetjax"  # the items of every checkpoint
 MANIFEST_FILE = "manifest.json"  # in the MANIFEST item: the marker and the checksums
@@ -223,9 +224,15 @@ class CheckpointManager:
       async_save: write in a background thread; `save` returns once the arrays are copied off
         the devices, so training goes on while the files are written.
       read_only: only restore: nothing in `directory` is created, changed, locked or cleaned up.
+      start_over: where no intact checkpoint is left (every one damaged, or set aside by an
+        earlier run), `resume` trains from step 0 (None, with a warning) instead of raising,
+        and a writer opens such a directory instead of refusing it.
 
     Raises:
       RuntimeError: if another writer (in this process or another) holds the directory.
+      CorruptCheckpointError: for a writer, if every checkpoint of the directory was set aside
+        as damaged (and not `start_over`): a restart must not train from step 0 unnoticed.
+      UnreadableCheckpointError: if the directory cannot be listed, or links to nothing.
       ValueError: if the directory holds the checkpoints of `save_persistables` (or, for
         `save_persistables`, those of a `CheckpointManager`).
     """
@@ -347,15 +354,16 @@ class CheckpointManager:
             raise UnreadableCheckpointError(
                 f"checkpoint directory {self.directory} cannot be listed ({e})"
             ) from e
-        steps, orphans = [], []
+        kinds: dict[str, list[int]] = {"checkpoint": [], "orphan": [], "": []}
         for name in names:
             if name.isascii() and name.isdigit() and name == str(int(name)):
-                kind = self._kind(int(name))
-                (steps if kind == "checkpoint" else orphans if kind == "orphan" else []).append(
-                    int(name)
-                )
+                kinds[self._kind(int(name))].append(int(name))
         aside = [n for n in names if n.startswith(_ASIDE_PREFIX)]
-        return {"steps": sorted(steps), "orphans": sorted(orphans), "aside": sorted(aside)}
+        return {
+            "steps": sorted(kinds["checkpoint"]),
+            "orphans": sorted(kinds["orphan"]),
+            "aside": sorted(aside),
+        }
 
     def _kind(self, step: int) -> str:
         """'checkpoint', 'orphan' or '' (not a checkpoint) for the folder of `step`."""
@@ -392,7 +400,7 @@ class CheckpointManager:
         warnings.warn(
             f"skipping checkpoint {step}: {problem}{moved if where else ''}",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
 
     def latest_step(self) -> int | None:
@@ -767,7 +775,9 @@ class CheckpointManager:
         if problem and not self.start_over:
             raise CorruptCheckpointError(problem)
         if problem:
-            warnings.warn(f"{problem}; start_over=True: training starts over", stacklevel=2)
+            warnings.warn(
+                f"{problem}; start_over=True: training starts over", stacklevel=user_stacklevel()
+            )
         return None
 
 

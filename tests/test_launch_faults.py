@@ -156,34 +156,22 @@ def test_a_worker_that_leaves_early_with_code_0_is_named_at_once(launcher, tmp_p
     ), err
 
 
-def test_a_spinning_worker_is_named_not_those_waiting_for_it(launcher, tmp_path):
-    # Worker 1 spins in Python after 5 steps; worker 0 waits in step 6's all-reduce. Neither
-    # prints; worker 0 made one more TrainStep call, and its stack shows it waiting in JAX.
-    code, err, after = _training(launcher, tmp_path, "spin", "--heartbeat_timeout", "8")
+@pytest.mark.parametrize(
+    "loop, steps", [("steps", " after 5 steps, the fewest"), ("jit", "")], ids=["steps", "jit"]
+)
+def test_a_spinning_worker_is_named_not_those_waiting_for_it(launcher, tmp_path, loop, steps):
+    # Worker 1 spins in Python after 5 steps; worker 0 waits in step 6's all-reduce, a
+    # TrainStep's or a plain jax.jit one's. Neither prints. Worker 0's stack shows it waiting
+    # (in JAX, or in a call into XLA), worker 1's runs Python code; with TrainSteps worker 0
+    # also made one more call (before this change, with plain jit: worker 0, in 3 of 3 runs).
+    code, err, after = _training(launcher, tmp_path, "spin", "--heartbeat_timeout", "8", loop=loop)
     print(f"the launcher exited {after:.1f} s after worker 1 began to spin")
     assert 8 < after < 8 + 15
     assert code == 124
     assert re.search(
         r"fleetjax-run: worker 1 made no progress for \d+ s \(no output, no step, no heartbeat; "
-        r"--heartbeat_timeout 8\) after 5 steps, the fewest, at launch_worker.py:\d+ \(in "
-        r"_faults\) while the others wait; stopping all workers\n$",
-        err,
-    ), err
-    _stacks_logged(tmp_path, 0, 1)
-
-
-def test_a_spinning_worker_is_named_without_train_steps(launcher, tmp_path):
-    # Plain jax.jit all-reduces, no TrainStep: no step counts tell the workers apart (before
-    # this change: worker 0, in 3 of 3 runs). Worker 0's stack shows its main thread in a call
-    # into XLA; worker 1's runs Python code.
-    code, err, after = _training(launcher, tmp_path, "spin", "--heartbeat_timeout", "8", loop="jit")
-    print(f"the launcher exited {after:.1f} s after worker 1 began to spin")
-    assert 8 < after < 8 + 15
-    assert code == 124
-    assert re.search(
-        r"fleetjax-run: worker 1 made no progress for \d+ s \(no output, no step, no heartbeat; "
-        r"--heartbeat_timeout 8\), at launch_worker.py:\d+ \(in _faults\) while the others "
-        r"wait; stopping all workers\n$",
+        rf"--heartbeat_timeout 8\){steps}, at launch_worker.py:\d+ \(in _faults\) while the "
+        r"others wait; stopping all workers\n$",
         err,
     ), err
     _stacks_logged(tmp_path, 0, 1)

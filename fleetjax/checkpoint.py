@@ -257,7 +257,9 @@ class CheckpointManager:
         self.read_only = read_only
         self.start_over = start_over
         self._lock: _Lock | None = None
-        refused = _coordinator.share("checkpoint-open", self._open)
+        self._check_reachable()
+        # A writer's processes open the directory together (a reader may be alone).
+        refused = "" if read_only else _coordinator.share("checkpoint-open", self._open)
         if refused:
             raise CorruptCheckpointError(refused)
         handler = self._handler = ocp.CompositeCheckpointHandler(
@@ -279,10 +281,7 @@ class CheckpointManager:
         self._closed = False
 
     def _open(self) -> str:
-        """On process 0: a writer takes the directory; why it refuses it ("" if it does not)."""
-        self._check_reachable()
-        if self.read_only:
-            return ""
+        """On process 0: take the directory for writing; why it is refused ("" if it is not)."""
         self._lock = self._take_directory()
         listing = self._listing()
         if listing["aside"] and not listing["steps"] and not self.start_over:
@@ -791,7 +790,10 @@ def _settled(what: str, read: Callable[[], Any]) -> Any:
     own = None if failure is None else [type(failure).__name__, str(failure)]
     outcomes = _coordinator.gather(f"checkpoint-{what}", own)
     if failure is not None:
-        raise failure
+        try:
+            raise failure
+        finally:  # no cycle through this frame: orbax's futures in its traceback go at once
+            failure = None
     for process, outcome in enumerate(outcomes):
         if outcome is not None:
             kind, message = outcome

@@ -4,13 +4,13 @@ stopped (`fleetjax-run`'s supervision; fleetjax/launch/_job.py decides what foll
 The first failure is the first worker that ends with a code other than 0 (its exit, or the code
 its `fleetjax._worker` entry recorded before JAX's shutdown barrier), that is killed, or that
 makes no progress for `--heartbeat_timeout` seconds. Of the silent workers, the one named is
-one that is not waiting for the others: each worker's Python stacks (`_worker.STACKS_SIGNAL`)
-go into its log, and a worker whose main thread waits in JAX (a collective, a transfer) waits
-for the others; then the one with the fewest steps, then the one silent the longest. A worker
-that ended its script with code 0 after fewer steps than the others, who then wait for it in
-JAX, is named `EARLY_END_SECONDS` later; a worker that exited with 0 while others ran is named
-first if one of them then fails (its peers lost it). A worker that JAX's coordination service
-ended (SIGABRT) because another stopped sending heartbeats names that other one.
+the one the others wait for: the launcher looks at what each does (`Snapshot`: its Python
+stacks, which go into its log, and whether its main thread runs Python code or waits in a call
+into C), then counts steps and silence. A worker that ended its script with code 0 after fewer
+steps than the others, who then wait for it, is named `EARLY_END_SECONDS` later; a worker that
+exited with 0 while others ran is named first if one of them then fails (its peers lost it). A
+worker that JAX's coordination service ended (SIGABRT) because another stopped sending
+heartbeats names that other one.
 """
 
 from __future__ import annotations

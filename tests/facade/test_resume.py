@@ -85,9 +85,10 @@ def test_unreadable_checkpoints_stop_the_job_and_nothing_is_moved(launcher, tmp_
     files = [p for step in ("5", "10") for p in (ckpt / step).rglob("*") if p.is_file()]
     listed = _checkpoints(tmp_path)
     with unreadable(files):
-        code, err, logs, _ = _train(
+        code, err, logs, seconds = _train(
             launcher, tmp_path, "log2", "--max_restart", "1", prefix=unreadable_by([])
         )
+    print(f"the two attempts took {seconds:.0f} s")
     assert code == 1, err
     manifest = ckpt / "10" / "fleetjax" / "manifest.json"
     error = (
@@ -114,7 +115,8 @@ def test_a_restart_with_no_intact_checkpoint_stops_unless_told_to_start_over(lau
     assert _train(launcher, tmp_path, "log1")[0] == 0
     for step in ("5", "10"):
         _damage(tmp_path / "ckpt" / step)
-    code, err, logs, _ = _train(launcher, tmp_path, "log2", "--max_restart", "1")
+    code, err, logs, seconds = _train(launcher, tmp_path, "log2", "--max_restart", "1")
+    print(f"the two attempts took {seconds:.0f} s")
     assert code == 1, err
     ckpt = tmp_path / "ckpt"
     attempts = logs[0].split("fleetjax-run: attempt 2 starts\n")

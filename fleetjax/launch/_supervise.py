@@ -280,6 +280,7 @@ class Attempt:
         self._stacks_taken = 0.0  # the silence (its start) whose stacks an early end took
         self._silence: Failure | None = None  # a hang or an early end, once named
         self._seen_working: dict[int, float] = {}  # when its stack showed it worked (_hung)
+        self._looked = 0.0  # when _hung last looked at the workers
         self._ended: dict[int, int] = {}  # index: exit status, of workers known to have ended
         self._exited: set[int] = set()
         self._joined: set[int] = set()  # workers that joined JAX's runtime
@@ -431,9 +432,10 @@ class Attempt:
 
     def _hung(self) -> Failure | None:
         """If a running worker made no progress for longer than the timeout: the one the others
-        wait for. The launcher looks at what each running worker does (`_look`; the stacks go
-        into the logs): one seen importing works, and workers that wait in JAX while another
-        works wait for it. Of the workers silent for half the timeout or more, the one named runs
+        wait for. The launcher looks at what each running worker does (`_look`, also once a
+        worker has been silent for half the timeout; the stacks go into the logs once it names
+        one): one seen importing works, and workers that wait in JAX while another works wait
+        for it. Of the workers silent for half the timeout or more, the one named runs
         its own code rather than waits (`Snapshot.rank`), then has the fewest steps (those
         ahead wait in a collective), then has been silent the longest."""
         timeout = self._heartbeat_timeout
@@ -441,10 +443,12 @@ class Attempt:
         if not timeout or not running:
             return None
         now = time.time()
-        if now - min(self._last_progress(i) for i in running) <= timeout:
+        quiet = now - min(self._last_progress(i) for i in running)
+        # At half the timeout too, for a worker that imports (or waits for one that does).
+        if quiet <= timeout and (quiet <= timeout / 2 or now - self._looked < timeout / 2):
             return None
         seen = self._look(running)
-        now = time.time()
+        now = self._looked = time.time()
         for i in running:
             if seen[i].importing:
                 self._seen_working[i] = now

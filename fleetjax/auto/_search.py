@@ -43,6 +43,7 @@ import numpy as np
 import optax
 
 from fleetjax import targets
+from fleetjax._chain import Signature, checked_output
 from fleetjax.auto._isolated import Compiled, CompileFailed, Compiler
 from fleetjax.auto._layouts import (
     Layout,
@@ -128,7 +129,12 @@ class _Planner:
     def flops(self) -> float:
         """The model's matmul flops per device split evenly over all devices (traced)."""
         key = (jax.eval_shape(lambda: jax.random.key(0)),) if self.step_options["has_rng"] else ()
-        grad = jax.value_and_grad(self.loss_fn, has_aux=self.step_options["has_aux"])
+        signature = Signature(self.step_options["has_aux"], self.step_options["has_rng"], False)
+
+        def loss(*args: Any) -> Any:  # what a step would say of a loss that is no scalar
+            return checked_output(self.loss_fn(*args), signature)
+
+        grad = jax.value_and_grad(loss, has_aux=self.step_options["has_aux"])
         return model_flops(grad, self.params, self.batch, *key) / len(self.devices)
 
     def add(self, layout: Layout | None, strategy: Any, status: str, **kw: Any) -> Candidate:

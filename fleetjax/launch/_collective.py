@@ -53,7 +53,8 @@ def node_count(text: str | None, master: bool) -> tuple[int, int] | None:
     least, sep, most = text.partition(":")
     if not sep:
         most = least
-    if not (least.isdigit() and most.isdigit()) or not 1 <= int(least) <= int(most):
+    numbers = f"{least}{most}".isascii() and least.isdigit() and most.isdigit()  # not '²'
+    if not numbers or not 1 <= int(least) <= int(most):
         raise LaunchError(
             f"--nnodes must be a number of nodes (at least 1) or a range min:max, got {text!r}"
         )

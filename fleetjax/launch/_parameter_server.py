@@ -21,7 +21,7 @@ PS_OPTIONS = ("server_num", "servers", "trainer_num", "workers")
 
 def _ps_endpoint(text: str, option: str) -> str:
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise LaunchError(f"{option}: {text!r} is not an endpoint of the form ip:port")
     return f"{host}:{int(port)}"
 

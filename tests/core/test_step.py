@@ -312,6 +312,15 @@ class TestSeveralStepsPerCall:
         with pytest.raises(ValueError, match=r"run\(\) got no batches"):
             auto.run(auto.init(make_params()), [])
 
+    def test_batches_of_different_shapes_are_named(self):
+        # Was jnp.stack's error from inside the scan's trace.
+        step = fleetjax.make_train_step(loss_fn, optax.sgd(0.1), fleetjax.Strategy())
+        short = {name: x[:8] for name, x in make_batch().items()}
+        with pytest.raises(ValueError, match=r"^run\(\) stacks its batches into one scan, so they "
+                           r"must have the same leaves, shapes and dtypes, but batch 1 has "
+                           r"batch\['x'\] float32\[8, \d+\], "):  # fmt: skip
+            step.run(step.init(make_params()), [make_batch(), short])
+
 
 # -- the step as a pure function of its spec -----------------------------------------------------
 

@@ -177,6 +177,17 @@ def test_plan_with_paddles_node_options():
             "--nnodes must be a number of nodes (at least 1) or a range min:max, got '3:2'",
         ),
         (
+            ["--nnodes", "\u00b2", "--master", "10.0.0.1:8090"],  # a digit to str.isdigit
+            None,
+            "--nnodes must be a number of nodes (at least 1) or a range min:max, got '\u00b2'",
+        ),
+        (
+            ["--master", "10.0.0.1:\u00b2"],
+            None,
+            "--master '10.0.0.1:\u00b2' is not an address of the form host:port (or "
+            "http://host:port)",
+        ),
+        (
             ["--ips", "10.0.0.1,10.0.0.2", "--host", "10.0.0.2", "--start_port", "1"],
             None,
             "--start_port 1: the launchers of --ips nodes meet at the first node's port "

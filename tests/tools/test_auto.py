@@ -332,6 +332,19 @@ def test_strategy_must_be_a_distributed_strategy():
         )
 
 
+def test_a_loss_that_is_no_scalar_is_named_before_any_candidate():
+    # Was JAX's "Gradient only defined for scalar-output functions" from the cost model's trace.
+    def per_row(params, batch):
+        return jnp.sum((batch["x"] @ params["w1"]) ** 2, axis=-1)
+
+    message = (
+        "the loss must be a floating-point scalar, got float32[16] (with has_aux=False, "
+        "has_state=False it returns the loss alone)"
+    )
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}"):  # JAX adds a note
+        auto.search(per_row, optax.sgd(0.1), mlp_params(), mlp_batch(), isolate=False)
+
+
 def test_device_constants_must_be_positive():
     with pytest.raises(ValueError, match=r"^DeviceSpec.latency must be a positive number"):
         auto.DeviceSpec("mine", 1e12, 1e11, 0.0)

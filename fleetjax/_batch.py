@@ -206,9 +206,17 @@ def place_batch(batch: Any, sharding: NamedSharding) -> Any:
     return jax.tree.map(place, batch)
 
 
-def check_stackable(batches: Sequence[Any]) -> None:
-    """Raise `ValueError` naming the first of `batches` whose leaves or their shapes and
-    dtypes differ from the first batch's: `TrainStep.run` stacks them into one scan."""
+def check_run_batches(batches: Sequence[Any], expected: int | None) -> None:
+    """Raise `ValueError` unless `batches` are what `TrainStep.run` stacks into one scan: as
+    many as `expected` (`num_iteration_per_run`; None: any number), at least one, and each with
+    the leaves, shapes and dtypes of the first (the error names the first that differs)."""
+    if expected is not None and len(batches) != expected:
+        raise ValueError(
+            f"run() got {len(batches)} batches, but DistributedStrategy.execution_strategy"
+            f".num_iteration_per_run={expected}: pass that many, or change it"
+        )
+    if not batches:
+        raise ValueError("run() got no batches")
     first = _signature(batches[0])
     for i, batch in enumerate(batches[1:], 1):
         if (leaves := _signature(batch)) != first:

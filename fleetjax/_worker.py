@@ -13,9 +13,9 @@ When a worker seems hung, the launcher asks what it does: on `STACKS_SIGNAL` the
 writes the Python stack of each of its threads to `FLEETJAX_STACKS_FILE` (`faulthandler`: from
 the signal handler itself, so also while the process waits in XLA or in a collective); on
 `PROBE_SIGNAL` a line if its main thread runs Python code rather than wait in a C call (XLA's,
-a collective's, a sleep). This file imports nothing of fleetjax (nor JAX): the launcher runs it as a script, and
-importing the package (and so JAX) before the user's script would read JAX's settings before
-it sets them.
+a collective's, a sleep). This file imports nothing of fleetjax (nor JAX): the launcher runs it
+as a script, and importing the package (and so JAX) before the user's script would read JAX's
+settings before it sets them.
 """
 
 from __future__ import annotations

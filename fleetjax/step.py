@@ -27,7 +27,7 @@ from fleetjax._batch import (
     BatchShapes,
     abstract_batch,
     check_batch,
-    check_stackable,
+    check_run_batches,
     place_batch,
 )
 from fleetjax._chain import Signature, grad_chain
@@ -231,15 +231,7 @@ class TrainStep:
         `Strategy`) in one compiled call, a `lax.scan` over `batches`, each as `__call__` takes
         it. Returns the last state and every step's metrics, stacked on a leading axis."""
         batches = list(batches)
-        expected = self.plan.iterations_per_run
-        if expected is not None and len(batches) != expected:
-            raise ValueError(
-                f"run() got {len(batches)} batches, but DistributedStrategy.execution_strategy"
-                f".num_iteration_per_run={expected}: pass that many, or change it"
-            )
-        if not batches:
-            raise ValueError("run() got no batches")
-        check_stackable(batches)
+        check_run_batches(batches, self.plan.iterations_per_run)
         return self._called(state, self.shard_batch(batches), len(batches))
 
     def compiled(self, state: Any, steps: int | None = None) -> Any:

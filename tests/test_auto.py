@@ -25,7 +25,7 @@ from fleetjax.transforms.pipeline import PipelineLayer
 MiB = 2**20
 needs_plugin = pytest.mark.skipif(
     not targets.plugin_installed(),
-    reason="jax's CUDA plugin is not installed: pip install 'fleetjax[aot]'",
+    reason="jax's CUDA plugin is not installed: pip install -e '.[aot]'",
 )
 
 # An MLP whose Adam state under pure data parallelism overflows a 10 MiB budget: 4 MiB of

@@ -19,7 +19,7 @@ from fleetjax import PipelineLayer, PipelineParams, auto, hlo, targets
 
 pytestmark = pytest.mark.skipif(
     not targets.plugin_installed(),
-    reason="jax's CUDA plugin is not installed: pip install 'fleetjax[aot]'",
+    reason="jax's CUDA plugin is not installed: pip install -e '.[aot]'",
 )
 
 WIDTH, UP, LAYERS, ROWS = 256, 1024, 4, 64

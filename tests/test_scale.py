@@ -24,7 +24,7 @@ from gpt import GPT, GPTConfig, GPTFunctions
 
 pytestmark = pytest.mark.skipif(
     not targets.plugin_installed(),
-    reason="jax's CUDA plugin is not installed: pip install 'fleetjax[aot]'",
+    reason="jax's CUDA plugin is not installed: pip install -e '.[aot]'",
 )
 
 H100 = targets.get("h100").spec

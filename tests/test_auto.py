@@ -312,8 +312,28 @@ def test_nothing_fits_names_the_smallest_candidate_and_the_budget():
         "smallest, #10 dp=1 sharding=8 (stage 3), needs at least 2.0 MiB (its state and "
         "gradients) per device."
     )
-    assert "offload" not in message
+    assert "offload" not in message and "To simulate" not in message  # 8 devices already
     assert "dp=8" in message and "over budget: its state and gradients alone are" in message
+
+
+def test_nothing_fits_on_one_cpu_device_says_how_to_simulate_more():
+    with pytest.raises(ValueError) as error:
+        auto.search(
+            mlp_loss,
+            optax.adam(1e-3),
+            mlp_params(),
+            mlp_batch(),
+            memory_budget=MiB,
+            devices=jax.devices()[:1],
+        )
+    first = str(error.value).splitlines()[0]
+    assert first.endswith(
+        "Raise memory_budget, use more devices, or shrink the model or batch. The search had 1 "
+        "CPU device, and more devices hold less each. To simulate 8 CPU devices, set "
+        "JAX_NUM_CPU_DEVICES=8 (or XLA_FLAGS=--xla_force_host_platform_device_count=8) before JAX "
+        "starts, e.g. as the first lines of the script: import os; "
+        "os.environ['JAX_NUM_CPU_DEVICES'] = '8'."
+    ), first
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,5 @@
 """The documentation states what the code does."""
 
-import os
 import pathlib
 import re
 import shutil
@@ -8,10 +7,11 @@ import subprocess
 import sys
 
 import pytest
+from pasted import pasted_env
 
 import fleetjax
 
-ROOT = pathlib.Path(__file__).parents[1]
+ROOT = next(p for p in pathlib.Path(__file__).parents if (p / "pyproject.toml").exists())
 
 
 def test_every_seed_default_difference_is_documented():
@@ -47,22 +47,12 @@ def test_readme_links_resolve():
             assert anchor in {_slug(h) for h in headings}, f"README links to {path}#{anchor}"
 
 
-def _pasted_env() -> dict[str, str]:
-    """This environment without the device settings of `conftest.py`: a machine with one CPU
-    device, as a new user's."""
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "JAX_NUM_CPU_DEVICES")}
-    env["XLA_FLAGS"] = " ".join(
-        f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f
-    )
-    return env
-
-
 def test_readme_quickstart_runs_as_pasted_on_one_device():
     readme = (ROOT / "README.md").read_text()
     quickstart = re.search(r"## Quickstart\n.*?```python\n(.*?)```", readme, re.DOTALL)[1]
     result = subprocess.run(
         [sys.executable, "-c", quickstart],
-        env=_pasted_env(),
+        env=pasted_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -116,7 +106,7 @@ def _as_pasted(command: str, cwd: pathlib.Path, **env: str) -> subprocess.Comple
     return subprocess.run(
         ["bash", "-c", command],
         cwd=cwd,
-        env={**_pasted_env(), **env},
+        env={**pasted_env(), **env},
         capture_output=True,
         text=True,
         timeout=1200,

@@ -8,6 +8,7 @@ from fleetjax.mesh._mesh import (
     SEQUENCE_AXES,
     build_mesh,
     check_order,
+    simulation_hint,
 )
 from fleetjax.mesh._rules import (
     DATA_AXES,
@@ -32,6 +33,7 @@ __all__ = [
     "batch_sharding",
     "build_mesh",
     "check_order",
+    "simulation_hint",
     "constrain",
     "data_axes",
     "data_parallel_size",

@@ -81,9 +81,14 @@ def megatron_step(formula: targets.Megatron, gpu: str = "h100") -> tuple[Any, An
     return step, state, batch
 
 
-def main(args: argparse.Namespace) -> fleetjax.Explanation:
+def megatron_formula(args: argparse.Namespace) -> targets.Megatron:
+    """The model and layout the command line describes."""
     model = {name: getattr(args, name) for name in GPT3_175B}
-    formula = targets.Megatron(**model, tp=args.tp, pp=args.pp, dp=args.dp, vpp=args.vpp)
+    return targets.Megatron(**model, tp=args.tp, pp=args.pp, dp=args.dp, vpp=args.vpp)
+
+
+def main(args: argparse.Namespace) -> fleetjax.Explanation:
+    formula = megatron_formula(args)
     print(
         f"GPT {formula.parameters / 1e9:.1f}B on {formula.gpus} {args.gpu} GPUs: tp {args.tp} "
         f"x pp {args.pp}"

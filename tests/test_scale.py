@@ -20,7 +20,7 @@ from fleetjax import targets
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
 from gpt import GPT, GPTConfig, GPTFunctions
-from megatron_layout import megatron_step
+from megatron_layout import megatron_formula, megatron_step, parse_args
 
 pytestmark = pytest.mark.skipif(
     not targets.plugin_installed(),
@@ -28,6 +28,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 H100 = targets.get("h100").spec
+ROOT = next(p for p in pathlib.Path(__file__).parents if (p / "pyproject.toml").exists())
 
 
 def assert_at_formula(formula: targets.Megatron) -> fleetjax.Explanation:
@@ -82,6 +83,8 @@ def test_megatron_175b_layouts_fit_at_the_formulas(gpus, tp, pp, vpp):
     dp = gpus // (tp * pp)
     formula = targets.Megatron(96, 12288, 96, 2048, 51200, 1536, tp=tp, pp=pp, dp=dp, vpp=vpp)
     report = assert_at_formula(formula)
+    if formula == megatron_formula(parse_args([])):  # the script's default: the page shows it
+        assert str(report) in (ROOT / "docs" / "scale.md").read_text()
     # A plain no-overlap model of the compiled step (its matmuls over the peak, its
     # collectives over NVLink and InfiniBand) gives at least 40% MFU; the formula's 45-50%.
     t = report.gpu.time

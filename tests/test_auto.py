@@ -317,15 +317,9 @@ def test_nothing_fits_names_the_smallest_candidate_and_the_budget():
 
 
 def test_nothing_fits_on_one_cpu_device_says_how_to_simulate_more():
+    mlp = (mlp_loss, optax.adam(1e-3), mlp_params(), mlp_batch())
     with pytest.raises(ValueError) as error:
-        auto.search(
-            mlp_loss,
-            optax.adam(1e-3),
-            mlp_params(),
-            mlp_batch(),
-            memory_budget=MiB,
-            devices=jax.devices()[:1],
-        )
+        auto.search(*mlp, memory_budget=MiB, devices=jax.devices()[:1])
     first = str(error.value).splitlines()[0]
     assert first.endswith(
         "Raise memory_budget, use more devices, or shrink the model or batch. The search had 1 "

@@ -69,7 +69,8 @@ MAIN_COMMAND = (
 )
 TEST_COMMAND = (
     'python3 -m venv .venv && .venv/bin/pip install -e ".[test]" && .venv/bin/ruff check . && '
-    ".venv/bin/ruff format --check . && .venv/bin/python -m pytest"
+    ".venv/bin/ruff format --check . && .venv/bin/python -m pytest && "
+    ".venv/bin/python -m pytest -m slow"
 )
 TWO_PROCESSES = (
     ".venv/bin/fleetjax-run --nproc_per_node 2 --cpu_devices_per_proc 4 examples/train_digits.py"
@@ -149,3 +150,6 @@ def test_readme_two_process_command(tmp_path):
     assert "test accuracy" in summaries[0] and "8 cpu devices" in summaries[0], summaries
     losses = [summary.split(" | ")[0] for summary in summaries]
     assert losses[0] == losses[1], summaries
+    # Gloo's connection lines stay in the logs, off the console (which echoes worker 0).
+    assert "[Gloo] Rank 0 is connected" in (tmp_path / "log" / "workerlog.0").read_text()
+    assert "[Gloo]" not in result.stdout and "ERROR" not in result.stderr, result.stderr

@@ -17,20 +17,23 @@ from fleetjax import _coordinator
 from fleetjax._warnings import warn_once
 from fleetjax.mesh import data_axes, data_parallel_size
 
-# Distinct batch shapes a step compiles for before it says that each one costs a compile.
+# Distinct batch shapes and dtypes a step compiles for before it says that each costs a compile.
 SHAPES_BEFORE_WARNING = 3
+
+# A batch's signature: each leaf's shape and dtype name, as the step compiles for them.
+Signature = tuple[tuple[tuple[int, ...], str], ...]
 
 
 _steps = itertools.count()  # TrainSteps, numbered alike on every process: their boards' names
 
 
 class BatchShapes:
-    """The batch shapes a step was called with; warns once when there are
-    `SHAPES_BEFORE_WARNING` of them, since each new shape compiles the step again. With
-    several processes, `agree` checks that they all pass batches of the same shapes."""
+    """The batch shapes and dtypes a step was called with; warns once when there are
+    `SHAPES_BEFORE_WARNING` of them, since each new one compiles the step again. With several
+    processes, `agree` checks that they all pass batches of the same shapes."""
 
     def __init__(self) -> None:
-        self.seen: set[tuple[Any, ...]] = set()
+        self.seen: set[Signature] = set()
         self._agreement = _Agreement(next(_steps))
 
     def agree(self, batch: Any) -> None:
@@ -43,17 +46,32 @@ class BatchShapes:
         self._agreement.check(batch)
 
     def note(self, batch: Any) -> None:
-        shapes = tuple((x.shape, x.dtype) for x in jax.tree.leaves(batch))
-        if shapes in self.seen:
+        leaves = jax.tree.leaves(batch)
+        signature = tuple((tuple(x.shape), np.dtype(x.dtype).name) for x in leaves)
+        if signature in self.seen:
             return
-        self.seen.add(shapes)
+        self.seen.add(signature)
         if len(self.seen) == SHAPES_BEFORE_WARNING:
-            listed = sorted(str([list(shape) for shape, _ in s]) for s in self.seen)
-            warn_once(
-                f"the train step compiled for {len(listed)} batch shapes ({', '.join(listed)}): "
-                "each new shape compiles it again; pad batches to one shape (or drop the last "
-                "partial batch)"
-            )
+            warn_once(_recompiles(self.seen))
+
+
+def _recompiles(seen: set[Signature]) -> str:
+    """What changed between the batches a step compiled for, and what keeps it to one."""
+    listed = sorted(
+        "(" + ", ".join(f"{dtype}[{','.join(map(str, shape))}]" for shape, dtype in s) + ")"
+        for s in seen
+    )
+    changed, advice = [], []
+    if len({tuple(shape for shape, _ in s) for s in seen}) > 1:
+        changed.append("shape")
+        advice.append("pad batches to one shape (or drop the last partial batch)")
+    if len({tuple(dtype for _, dtype in s) for s in seen}) > 1:
+        changed.append("dtype")
+        advice.append("give each input one dtype (np.asarray(x, dtype=...))")
+    return (
+        f"the train step compiled for {len(seen)} batch shapes and dtypes ({', '.join(listed)}): "
+        f"each new {' or '.join(changed)} compiles it again; {', and '.join(advice)}"
+    )
 
 
 def _signature(batch: Any) -> list[str]:

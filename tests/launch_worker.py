@@ -229,6 +229,12 @@ def main(mode: str, args: list[str]) -> int:
                 print(f"line {i}", flush=True)
                 time.sleep(2 / int(args[0]))
         return 0
+    if mode == "gloo":  # Gloo's line for a communicator, in two writes, around the script's
+        for text in ("before\n", "[Gl", "oo] Rank 0 is connected to 1 peer ranks\n", "50%\r"):
+            print(text, end="", flush=True)
+            time.sleep(0.3)
+        print("100%\ndone", flush=True)
+        return 0
     if mode == "steps":
         _train_until_fault(rank, args[0])
         return 0

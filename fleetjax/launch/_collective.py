@@ -17,7 +17,7 @@ from fleetjax.launch._machine import (
     join_timeouts,
     selected_gpus,
 )
-from fleetjax.launch._parameter_server import PS_OPTIONS, plan_parameter_server
+from fleetjax.launch._parameter_server import is_parameter_server, plan_parameter_server
 from fleetjax.launch._supervise import Worker
 
 
@@ -219,7 +219,7 @@ def plan_workers(
         nodes meet at `--master` (their endpoints are known once they met).
     """
     environ = os.environ if environ is None else environ
-    if any(getattr(args, name) is not None for name in PS_OPTIONS):
+    if is_parameter_server(args):
         return plan_parameter_server(args, environ)
     nodes, this = where(args), layout(args, environ)
     if nodes.ips:

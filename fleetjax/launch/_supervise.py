@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import logging
 import os
 import pathlib
 import queue
@@ -109,8 +110,16 @@ class Failure:
         return f"{self.who} {self.what}"
 
 
-def say(message: str) -> None:
-    """One line (or a block) on the launcher's stderr, prefixed `fleetjax-run: `."""
+# The launcher's own lines: `--log_level` (Paddle's, default INFO) sets which are shown.
+LOG = logging.getLogger("fleetjax.launch")
+LOG.setLevel(logging.INFO)
+
+
+def say(message: str, level: int = logging.ERROR) -> None:
+    """One line (or a block) on the launcher's stderr, prefixed `fleetjax-run: `, unless
+    `level` is below `LOG`'s (what goes wrong is an ERROR, the job's progress INFO)."""
+    if not LOG.isEnabledFor(level):
+        return
     with contextlib.suppress(OSError):  # a closed stderr must not stop the stopping
         print(f"fleetjax-run: {message}", file=sys.stderr, flush=True)
 
@@ -211,9 +220,26 @@ def _die_with_launcher() -> None:
     _LIBC.prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
+# Gloo's line for each communicator it connects ("[Gloo] Rank 0 is connected to 1 peer
+# ranks. ..."): kept in the worker's log, left off the console.
+_GLOO = b"[Gloo] "
+
+
+def for_console(text: bytes) -> tuple[bytes, bytes]:
+    """(what of a log's new `text` the console shows now, what waits for more): its lines but
+    Gloo's, and an unfinished last line at once (a progress bar's) unless it may be Gloo's."""
+    lines = text.splitlines(keepends=True)
+    last = lines.pop() if lines and not lines[-1].endswith((b"\n", b"\r")) else b""
+    shown = b"".join(line for line in lines if not line.startswith(_GLOO))
+    if last.startswith(_GLOO) or _GLOO.startswith(last):
+        return shown, last
+    return shown + last, b""
+
+
 class _Echo:
     """Copies a worker's log onto the console from `offset` on as it grows (Paddle shows the
-    node's first worker). A closed console ends the copying, never the worker or its log."""
+    node's first worker), but for Gloo's connection lines (`for_console`). A closed console
+    ends the copying, never the worker or its log."""
 
     def __init__(self, log: pathlib.Path, offset: int) -> None:
         self._log, self._offset = log, offset
@@ -224,23 +250,32 @@ class _Echo:
     def _copy(self) -> None:
         with open(self._log, "rb") as source:
             source.seek(self._offset)
+            waiting = b""
             while True:
                 finishing = self._done.is_set()  # then copy what is left, and stop
                 chunk = source.read(1 << 16)
                 if chunk:
+                    shown, waiting = for_console(waiting + chunk)
                     try:
-                        sys.stdout.buffer.write(chunk)
+                        sys.stdout.buffer.write(shown)
                         sys.stdout.buffer.flush()
                     except OSError:
                         self._console_closed()
                         return
                 elif finishing:
+                    if not waiting.startswith(_GLOO):  # a last line that turned out not Gloo's
+                        with contextlib.suppress(OSError):
+                            sys.stdout.buffer.write(waiting)
+                            sys.stdout.buffer.flush()
                     return
                 else:
                     self._done.wait(_POLL_SECONDS)
 
     def _console_closed(self) -> None:
-        say(f"the console is closed; the workers go on, worker output is in {self._log}")
+        say(
+            f"the console is closed; the workers go on, worker output is in {self._log}",
+            logging.WARNING,
+        )
         # Python's own flush of stdout at exit must not fail on the closed pipe either.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

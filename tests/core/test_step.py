@@ -195,6 +195,13 @@ class TestNothingIsSilentlyIgnored:
         [
             ({"asp": True}, "DistributedStrategy.asp=True: 2:4 structured sparsity"),
             ({"qat": True}, "DistributedStrategy.qat=True: quantization-aware training"),
+            ({"semi_auto": True}, "DistributedStrategy.semi_auto=True: semi-automatic"),
+            (
+                {"auto_search": True},
+                r"^DistributedStrategy.auto_search=True: fleetjax's automatic parallel search is a "
+                r"call, which needs the parameters and an example batch: found = "
+                r"fleetjax.auto.search\(loss_fn, optimizer, params, batch, strategy=strategy\) ",
+            ),
             ({"gradient_scale_configs": {"scale_strategy": "sum"}}, "scale_strategy='sum'"),
         ],
     )

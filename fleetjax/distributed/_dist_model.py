@@ -91,7 +91,7 @@ class DistModel:
         else:
             self.predict()
 
-    # -- modes ------------------------------------------------------------------------------------
+    # -- modes -------------------------------------------------------------------------------------
 
     def train(self) -> None:
         """Paddle's `train()`: calls update the parameters and return the loss."""
@@ -134,7 +134,7 @@ class DistModel:
             return self._loop.minimize(loss)
         return self._loop.value(loss)
 
-    # -- state --------------------------------------------------------------------------------------
+    # -- state -------------------------------------------------------------------------------------
 
     def state_dict(self, mode: str = "all", split_fusion: bool = True) -> dict[str, jax.Array]:
         """Paddle's `state_dict(mode)`: "param", the layer's parameters by their dotted paths

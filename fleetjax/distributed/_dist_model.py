@@ -15,6 +15,7 @@ so the same losses, step for step.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -27,6 +28,7 @@ from fleetjax._warnings import warn_once
 from fleetjax.distributed._loop import Request, SemiAutoLoop
 from fleetjax.distributed._names import ParamNames, load_paddle_state, paddle_names
 from fleetjax.distributed._shard import ShardDataloader, ShardOptimizer
+from fleetjax.fleet import Trainer
 from fleetjax.nn import LossLayer
 from fleetjax.strategy import Strategy
 
@@ -134,6 +136,12 @@ class DistModel:
             return self._loop.minimize(loss)
         return self._loop.value(loss)
 
+    @property
+    def trainer(self) -> Trainer | None:
+        """The fleet's `Trainer` of the train mode (None before its first step): its
+        `train_step` is the compiled step (`fleetjax.explain(dm.trainer.train_step, batch)`)."""
+        return self._loop.trainer
+
     # -- state -------------------------------------------------------------------------------------
 
     def state_dict(self, mode: str = "all", split_fusion: bool = True) -> dict[str, jax.Array]:
@@ -197,7 +205,14 @@ def _request(optimizer: Any, strategy: Strategy | None) -> Request:
     """The request of `to_static`'s optimizer (a `shard_optimizer`'s, or a plain one) and
     strategy."""
     if isinstance(optimizer, ShardOptimizer):
-        return Request(**{**vars(optimizer.request), "strategy": strategy})
+        stage = optimizer.request.stage
+        sharding = strategy.sharding if strategy is not None else None
+        if stage and sharding is not None and sharding.enable and sharding.stage != stage:
+            warn_once(
+                f"to_static's Strategy.sharding.stage={strategy.sharding.stage} replaces "
+                f"the optimizer's ShardingStage{stage}: the strategy given last applies"
+            )
+        return dataclasses.replace(optimizer.request, strategy=strategy)
     if optimizer is not None and not isinstance(optimizer, optax.GradientTransformation):
         raise TypeError(
             f"to_static's optimizer must be an optimizer (fleetjax.optimizers, optax) or "

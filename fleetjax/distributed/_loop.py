@@ -29,7 +29,6 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from fleetjax import amp
-from fleetjax._warnings import warn_once
 from fleetjax.auto_parallel import MeshView, ProcessMesh, get_mesh, placements_of, process_mesh_of
 from fleetjax.distributed._names import ParamNames, load_paddle_state
 from fleetjax.distributed._pipeline import PipelineModel, split_spec_of
@@ -306,12 +305,7 @@ def build_strategy(
     strategy = request.strategy.__copy__() if request.strategy is not None else Strategy()
     mesh = view.mesh
     sharding = mesh.shape["sharding"]
-    if strategy.sharding.enable:
-        if request.stage and request.stage != strategy.sharding.stage:
-            warn_once(
-                f"to_static's Strategy.sharding.stage={strategy.sharding.stage} replaces the "
-                f"optimizer's ShardingStage{request.stage}: the strategy given last applies"
-            )
+    if strategy.sharding.enable:  # to_static's strategy: its stage applies (warned there)
         if strategy.sharding.degree != sharding:
             raise ValueError(
                 f"Strategy.sharding.degree={strategy.sharding.degree}, but ZeRO's mesh dim "
@@ -407,4 +401,4 @@ def _place_layer(layer: nnx.Module, view: MeshView, specs: Mapping[str, Any]) ->
         spec = specs.get(name, jax.sharding.PartitionSpec())
         value = variable[...]
         if isinstance(value, jax.Array | np.ndarray):
-            variable[...] = jax.device_put(value, NamedSharding(view.mesh, spec))
+            variable.set_value(jax.device_put(value, NamedSharding(view.mesh, spec)))

@@ -288,7 +288,7 @@ class PipelineModel:
             nnx.update(block, state)
         for path, variable in nnx.to_flat_state(nnx.state(layer, nnx.Param)):
             if path in flat:
-                variable[...] = flat[path]
+                variable.set_value(flat[path])
 
     # the parts' functions ------------------------------------------------------------------------
 

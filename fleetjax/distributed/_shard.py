@@ -31,7 +31,7 @@ from fleetjax.auto_parallel import (
 )
 from fleetjax.distributed._hooks import add_hooks
 from fleetjax.distributed._loop import Request, SemiAutoLoop, loop_of
-from fleetjax.fleet import DygraphLoop
+from fleetjax.fleet import DygraphLoop, Trainer
 from fleetjax.fleet._loop import DygraphCalls
 from fleetjax.nn import Parameters, named_sublayers
 
@@ -81,7 +81,7 @@ def shard_layer(
     for _, variable in nnx.to_flat_state(nnx.state(layer, nnx.Not(nnx.RngState))):
         if placements_of(variable[...]) is None:
             placements = [Replicate() for _ in process_mesh.dim_names]
-            variable[...] = shard_tensor(variable[...], process_mesh, placements)
+            variable.set_value(shard_tensor(variable[...], process_mesh, placements))
     before = () if input_fn is None else (lambda _, inputs: input_fn(inputs, process_mesh),)
     after = () if output_fn is None else (lambda _, i, out: output_fn(out, process_mesh),)
     if before or after:
@@ -195,6 +195,13 @@ class ShardOptimizer(DygraphCalls):
                 f"give {shard_fn!r} a mesh, or dist.set_mesh(mesh)"
             )
         return mesh
+
+    @property
+    def trainer(self) -> Trainer | None:
+        """The fleet's `Trainer` the layer's first `backward` made (None before): its
+        `train_step` is the compiled step (`fleetjax.explain(opt.trainer.train_step, batch)`).
+        """
+        return self._dygraph_loop().trainer
 
     def _dygraph_loop(self) -> DygraphLoop:
         loop = loop_of(self.layer) if self.layer is not None else None

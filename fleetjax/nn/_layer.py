@@ -136,7 +136,8 @@ class Layer(nnx.Module):
             )
         for name, variable in variables.items():
             old = variable[...]
-            variable[...] = jax.device_put(np.asarray(state_dict[name], old.dtype), old.sharding)
+            value = np.asarray(state_dict[name], old.dtype)
+            variable.set_value(jax.device_put(value, getattr(old, "sharding", None)))
 
 
 def named_sublayers(

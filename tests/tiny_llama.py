@@ -134,7 +134,7 @@ class Llama(nn.Layer):
     """The model: a Paddle-style `nn.Layer` (`forward`), so that the auto-parallel loop defers
     its calls once an optimizer made with its `parameters()` trains it."""
 
-    def __init__(self, config: Config = Config(), seed: int = 0) -> None:
+    def __init__(self, config: Config, seed: int = 0) -> None:
         rngs = nnx.Rngs(seed)
         self.sequence_parallel = config.fleet and config.sequence_parallel
         if config.fleet:

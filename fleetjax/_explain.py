@@ -75,7 +75,8 @@ class Reshard:
       count: how many such instructions the program holds (a loop's body once).
       bytes: their results' bytes on a device, added up.
       operation: the JAX operation it serves (XLA's metadata: "dot_general", its backward
-        "backward of dot_general", ...).
+        "backward of dot_general", ...; "the updated state to its placement" for what XLA
+        records no operation of, the new state moved to where it lives).
       source: where the user's code made that operation, "file:line (function)": the
         innermost Python frame outside JAX, flax, optax and fleetjax ("" where XLA kept none).
     """
@@ -377,8 +378,11 @@ def _change(c: hlo.Collective, dims: list[str]) -> str:
 
 
 def _operation(op_name: str) -> str:
-    """ "dot_general" or "backward of dot_general" from XLA's op_name."""
-    last = op_name.split(":")[0].rstrip(")").split("/")[-1] if op_name else "?"
+    """ "dot_general" or "backward of dot_general" from XLA's op_name; without one, the
+    move of the updated state to where it lives (ZeRO's gather of the parameters)."""
+    if not op_name:
+        return "the updated state to its placement"
+    last = op_name.split(":")[0].rstrip(")").split("/")[-1]
     return f"backward of {last}" if "transpose(" in op_name else last
 
 

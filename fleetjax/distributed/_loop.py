@@ -364,7 +364,7 @@ def _data_dims(inputs: Any, mesh: ProcessMesh) -> dict[str, str]:
     for path, x in jax.tree_util.tree_leaves_with_path(inputs):
         if not isinstance(x, jax.Array) or process_mesh_of(x) is None:
             continue
-        what = "the batch" + jax.tree_util.keystr(path)
+        what = "the layer's input" + jax.tree_util.keystr(path[1:])
         for i, p in enumerate(tensor_placements(x, mesh, what)):
             if p.is_shard() and p.get_dim() % max(np.ndim(x), 1) != 0:
                 raise ValueError(
@@ -373,7 +373,7 @@ def _data_dims(inputs: Any, mesh: ProcessMesh) -> dict[str, str]:
                     "rows (Shard(0)) over the data-parallel dims"
                 )
             if p.is_shard():
-                found.setdefault(mesh.dim_names[i], "shard_dataloader")
+                found.setdefault(mesh.dim_names[i], f"{what}, placed Shard(0) over it,")
     return found
 
 

@@ -106,7 +106,7 @@ def roles(mesh: ProcessMesh, uses: Uses) -> Roles:
         take(uses.sharding[0], "sharding", f"{uses.sharding[1]} shards the optimizer over it")
     for dim, what in uses.data.items():
         role = "sharding" if dim in taken and taken[dim][0] == "sharding" else "dp"
-        take(dim, "data" if role == "dp" else role, f"{what} splits the batch over it")
+        take(dim, "data" if role == "dp" else role, f"{what} splits the batch")
     _check_one_each(taken, "mp", "tensor-parallel (mp) axis: parameters are Shard()ed over")
     for dim in names:  # a dimension no one uses: the batch is split over it
         if dim not in taken and mesh.get_dim_size(dim) > 1:

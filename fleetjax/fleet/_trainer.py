@@ -142,7 +142,7 @@ class Trainer:
     def state(self, state: TrainState) -> None:
         self._state = state
         if self._module is not None:
-            nnx.update(self._module, self._first_replica(state.params))
+            nnx.update(self._module, self._first_replica(state))
             if state.model_state is not None:
                 nnx.update(self._module, state.model_state)
 
@@ -155,7 +155,7 @@ class Trainer:
     def model(self) -> Any:
         """The nnx Module with the trained parameters, or the parameters pytree; under LocalSGD,
         replica 0's."""
-        return self._module if self._module is not None else self._first_replica(self.params)
+        return self._module if self._module is not None else self._first_replica(self.state)
 
     # -- Paddle's dygraph optimizer calls --------------------------------------------------------
 
@@ -281,10 +281,12 @@ class Trainer:
         self.state, self.metrics = self.train_step(self.state, batch)
         return self.metrics["loss"]
 
-    def _first_replica(self, params: Any) -> Any:
-        if self.train_step.placement.stacked.params:
-            return jax.tree.map(lambda x: x[0], params)
-        return params
+    def _first_replica(self, state: TrainState) -> Any:
+        """`state`'s parameters, replica 0's where they are stacked per replica (the
+        placement of `state` itself: a Trainer that goes on from another's state made none)."""
+        if self.train_step.spec(state).placement.stacked.params:
+            return jax.tree.map(lambda x: x[0], state.params)
+        return state.params
 
 
 def _from_module(module: nnx.Module, variables: Any, like: Any) -> Any:

@@ -158,7 +158,7 @@ def test_dygraph_and_to_static_agree_step_for_step():
     np.testing.assert_allclose(runs[0], one_device(data, learning_rate=0.01), rtol=1e-5)
 
 
-def test_zero_3_and_shard_layer_split_the_parameters_over_the_named_dim():
+def test_zero_3_and_shard_layer_split_the_parameters_over_the_named_dim_and_hook_the_input():
     data = batches(3)
     model = MLP(placed=False)
 
@@ -168,7 +168,13 @@ def test_zero_3_and_shard_layer_split_the_parameters_over_the_named_dim():
             placements = [dist.Replicate(), dist.Shard(dim)]
             layer.kernel = dist.shard_tensor(layer.kernel, process_mesh, placements)
 
-    dist.shard_layer(model, mesh, shard_fn)
+    hooked = []
+
+    def input_fn(inputs, process_mesh):  # a forward pre-hook: in the step, a constraint
+        hooked.append(inputs[0].shape)
+        return (dist.reshard(inputs[0], process_mesh, [dist.Shard(0), dist.Replicate()]),)
+
+    dist.shard_layer(model, mesh, shard_fn, input_fn=input_fn)
     assert model.fc1.bias.placements == [dist.Replicate(), dist.Replicate()]
     opt = dist.shard_optimizer(
         paddle.optimizers.AdamW(parameters=model.parameters()), dist.ShardingStage3("dp")
@@ -181,6 +187,7 @@ def test_zero_3_and_shard_layer_split_the_parameters_over_the_named_dim():
         opt.clear_grad()
         losses.append(loss.item())
     np.testing.assert_allclose(losses, one_device(data), rtol=1e-5)
+    assert hooked and all(shape == data[0][0].shape for shape in hooked), hooked
     # ZeRO-3 over dp: fc1's kernel [16, 64] is split over mp (dim 1) and dp (dim 0).
     assert model.fc1.kernel.placements == [dist.Shard(0), dist.Shard(1)]
 

@@ -67,11 +67,12 @@ class DygraphLoop:
         self.steps = 0
         self.batch_spec: Any = None
         self._trainer: Trainer | None = None
+        self._trained_loss: Callable[..., Any] | None = None  # the loss the Trainer trains
         self._pending_lr: float | None = None  # set_lr before the Trainer
         self._pending_state: Mapping[str, Any] | None = None  # set_state_dict before it
         self._held: DeferredLoss | None = None  # backward() called, step() not yet
         self._applied: tuple[DeferredLoss, jax.Array] | None = None  # the last step's loss
-        self._forwards: dict[Callable[..., Any], Callable[..., Any]] = {}
+        self._forwards: dict[tuple[Callable[..., Any], Any], Callable[..., Any]] = {}
         self._closed = False
 
     # -- set-up, by the fleet ---------------------------------------------------------------------
@@ -240,7 +241,7 @@ class DygraphLoop:
     def _trainer_for(self, loss_fn: Callable[..., Any]) -> Trainer:
         """The Trainer for `loss_fn`; another loss function gets a new one that goes on from the
         current state."""
-        if self._trainer is not None and self._trainer.loss_fn == loss_fn:
+        if self._trainer is not None and self._trained_loss == loss_fn:
             return self._trainer
         if self.model is None:
             raise RuntimeError("call fleet.distributed_model(model) before training with the fleet")
@@ -248,16 +249,21 @@ class DygraphLoop:
             raise RuntimeError(
                 "call fleet.distributed_optimizer(optimizer) before training with the fleet"
             )
-        state = None if self._trainer is None else self._trainer.state
-        trainer = Trainer(
-            loss_fn, self.model, self.optimizer, param_specs=self.param_specs, state=state
-        )
+        trainer = self.make_trainer(loss_fn, None if self._trainer is None else self._trainer.state)
         if self._pending_state is not None:
             trainer.set_state_dict(self._pending_state)
         if self._pending_lr is not None:
             trainer.set_lr(self._pending_lr)
         self._trainer, self._pending_lr, self._pending_state = trainer, None, None
+        self._trained_loss = loss_fn
         return trainer
+
+    def make_trainer(self, loss_fn: Callable[..., Any], state: Any) -> Trainer:
+        """The `Trainer` of `loss_fn(model, batch)` for the model and the optimizer, going on
+        from `state` (a `TrainState`; None: a fresh one)."""
+        return Trainer(
+            loss_fn, self.model, self.optimizer, param_specs=self.param_specs, state=state
+        )
 
     def _checked_optimizer(self) -> DistributedOptimizer:
         if self.optimizer is None:
@@ -295,10 +301,11 @@ class DygraphLoop:
                 "applied it"
             )
         graphdef, state = nnx.split(self.model)
-        if fn not in self._forwards:
-            self._forwards[fn] = jax.jit(lambda state, b: fn(nnx.merge(graphdef, state), b))
+        # By graph too: a module switched to eval() (dropout off) has another graph.
+        if (fn, graphdef) not in self._forwards:
+            self._forwards[fn, graphdef] = jax.jit(lambda s, b: fn(nnx.merge(graphdef, s), b))
         with jax.set_mesh(self.mesh):
-            return self._forwards[fn](state, batch)
+            return self._forwards[fn, graphdef](state, batch)
 
     def _check(self, loss: DeferredLoss) -> None:
         if self._closed or loss.runner is not self:

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from fleetjax._batch import check_batch
 from fleetjax.distributed_optimizer import DistributedOptimizer
 from fleetjax.fleet._dygraph import (
     DeferredLoss,
@@ -221,6 +222,7 @@ class DygraphLoop:
 
     def abstract(self, output: ModelOutput) -> jax.ShapeDtypeStruct:
         """The outputs' shape and dtype (nothing runs)."""
+        self._checked(output.batch)
         graphdef, state = nnx.split(self.model)
         fn = lambda state, batch: call_model(nnx.merge(graphdef, state), batch)  # noqa: E731
         return jax.eval_shape(fn, state, output.batch)
@@ -278,17 +280,13 @@ class DygraphLoop:
         return value
 
     def _placed(self, trainer: Trainer, loss: DeferredLoss) -> Any:
-        """`loss`'s batch placed for the step, or the step's error naming the model's arguments
-        and the loss's label as the user wrote them (not the batch they are put in)."""
-        try:
-            return trainer.train_step.shard_batch(loss.batch)
-        except (TypeError, ValueError) as e:
-            text = str(e)
-            for path, _ in jax.tree_util.tree_leaves_with_path(loss.batch):
-                name = "batch" + jax.tree_util.keystr(path)
-                if text.startswith(f"{name} "):
-                    text = user_name(path) + text[len(name) :]
-            raise type(e)(text) from None
+        """`loss`'s batch placed for the step."""
+        return _in_user_terms(loss.batch, trainer.train_step.shard_batch)
+
+    def _checked(self, batch: Any) -> None:
+        """Check that `batch`'s rows split over the data-parallel devices before the model
+        sees it (a layer's own check, e.g. BatchNorm's, would name the wrong thing)."""
+        _in_user_terms(batch, lambda batch: check_batch(batch, self.mesh))
 
     def _forward(self, fn: Callable[..., Any], batch: Any, made: ModelOutput) -> jax.Array:
         """`fn(model, batch)` on a copy of the model (its variables unchanged: batch-norm
@@ -300,6 +298,7 @@ class DygraphLoop:
                 "with numpy() or item() before optimizer.step(), or after the step that "
                 "applied it"
             )
+        self._checked(batch)
         graphdef, state = nnx.split(self.model)
         # By graph too: a module switched to eval() (dropout off) has another graph.
         if (fn, graphdef) not in self._forwards:
@@ -382,3 +381,17 @@ class DygraphCalls:
 
 # Paddle's dygraph optimizer calls, as the table names them.
 CALLS = tuple(name for name in vars(DygraphCalls) if not name.startswith("_"))
+
+
+def _in_user_terms(batch: Any, check: Callable[[Any], Any]) -> Any:
+    """`check(batch)`, its error naming the model's arguments and the loss's label as the user
+    wrote them (not as the leaves of the batch they are put in)."""
+    try:
+        return check(batch)
+    except (TypeError, ValueError) as e:
+        text = str(e)
+        for path, _ in jax.tree_util.tree_leaves_with_path(batch):
+            name = "batch" + jax.tree_util.keystr(path)
+            if text.startswith(f"{name} "):
+                text = user_name(path) + text[len(name) :]
+        raise type(e)(text) from None

@@ -65,6 +65,6 @@ loader = dist.shard_dataloader(batches, meshes=mesh, shard_dims="dp")
 dm = dist.to_static(model, loader, paddle.nn.CrossEntropyLoss(), optimizer, strategy=strategy)
 dm.train()
 losses = [float(dm(x, y)) for x, y in loader()]
-step = dm.trainer.train_step
+step = dm.trainer.program
 print(paddle.applied_strategy(step.strategy, step.mesh))
 print("  losses", " ".join(f"{loss:.4f}" for loss in losses))

@@ -139,7 +139,7 @@ class DistModel:
     @property
     def trainer(self) -> Trainer | None:
         """The fleet's `Trainer` of the train mode (None before its first step): its
-        `train_step` is the compiled step (`fleetjax.explain(dm.trainer.train_step, batch)`)."""
+        `train_step` is the compiled step (`fleetjax.explain(dm.trainer.program, batch)`)."""
         return self._loop.trainer
 
     # -- state -------------------------------------------------------------------------------------

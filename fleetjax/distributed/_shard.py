@@ -199,7 +199,7 @@ class ShardOptimizer(DygraphCalls):
     @property
     def trainer(self) -> Trainer | None:
         """The fleet's `Trainer` the layer's first `backward` made (None before): its
-        `train_step` is the compiled step (`fleetjax.explain(opt.trainer.train_step, batch)`).
+        `train_step` is the compiled step (`fleetjax.explain(opt.trainer.program, batch)`).
         """
         return self._dygraph_loop().trainer
 

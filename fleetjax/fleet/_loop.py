@@ -225,7 +225,8 @@ class DygraphLoop:
         self._checked(output.batch)
         graphdef, state = nnx.split(self.model)
         fn = lambda state, batch: call_model(nnx.merge(graphdef, state), batch)  # noqa: E731
-        return jax.eval_shape(fn, state, output.batch)
+        with jax.set_mesh(self.mesh):  # as the forward runs: a hook's reshard is on this mesh
+            return jax.eval_shape(fn, state, output.batch)
 
     def load_model(self, state_dict: Mapping[str, Any]) -> None:
         """Load the model's variables from `state_dict` (`DistributedModel.set_state_dict`); the
@@ -281,7 +282,7 @@ class DygraphLoop:
 
     def _placed(self, trainer: Trainer, loss: DeferredLoss) -> Any:
         """`loss`'s batch placed for the step."""
-        return _in_user_terms(loss.batch, trainer.train_step.shard_batch)
+        return _in_user_terms(loss.batch, trainer.program.shard_batch)
 
     def _checked(self, batch: Any) -> None:
         """Check that `batch`'s rows split over the data-parallel devices before the model

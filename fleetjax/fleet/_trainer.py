@@ -64,7 +64,8 @@ class Trainer:
     Attributes:
       loss_fn: the loss, `loss_fn(model, batch[, rng])` for an nnx Module, else
         `loss_fn(params, batch[, rng])`.
-      train_step: the `TrainStep` it calls.
+      program: the `TrainStep` it calls (its compiled program; Paddle's `DistModel` calls it
+        `dist_main_program`).
       state: the `TrainState` (its `params` are the nnx Module's `nnx.Param`s as a pure dict).
       metrics: the metrics of the last step (None before the first).
     """
@@ -117,7 +118,7 @@ class Trainer:
                 model_state = nnx.to_pure_dict(rest)
                 state_specs = nnx.to_pure_dict(partition_specs(rest, mesh=at))
             step_loss = _module_loss(loss_fn, graphdef, has_aux, model_state is not None)
-        self.train_step: TrainStep = make_train_step(
+        self.program: TrainStep = make_train_step(
             step_loss,
             optimizer,
             strategy,
@@ -131,7 +132,7 @@ class Trainer:
         self.metrics: dict[str, Any] | None = None
         self._batch: Any = None  # held by backward() for step()
         self._applied = False  # step() applied the held gradients; clear_grad() not called yet
-        self.state = state if state is not None else self.train_step.init(params, seed, model_state)
+        self.state = state if state is not None else self.program.init(params, seed, model_state)
 
     @property
     def state(self) -> TrainState:
@@ -278,13 +279,13 @@ class Trainer:
             raise RuntimeError(_APPLIED)
 
     def _run(self, batch: Any) -> jax.Array:
-        self.state, self.metrics = self.train_step(self.state, batch)
+        self.state, self.metrics = self.program(self.state, batch)
         return self.metrics["loss"]
 
     def _first_replica(self, state: TrainState) -> Any:
         """`state`'s parameters, replica 0's where they are stacked per replica (the
         placement of `state` itself: a Trainer that goes on from another's state made none)."""
-        if self.train_step.spec(state).placement.stacked.params:
+        if self.program.spec(state).placement.stacked.params:
             return jax.tree.map(lambda x: x[0], state.params)
         return state.params
 

@@ -90,7 +90,7 @@ def test_the_dygraph_script_as_written_trains_to_one_devices_losses():
 
     # The step's mesh is the ProcessMesh's devices, its dims named by role: dp is ZeRO's
     # (ShardingStage1 names it) and carries the batch, mp the weights' split.
-    step = opt.trainer.train_step
+    step = opt.trainer.program
     assert dict(step.mesh.shape) == {"sharding": 2, "mp": 2, "dp": 1, "pp": 1}
     assert step.plan.sharding_stage == 1
     assert list(step.mesh.devices.flat) == list(mesh.jax_mesh.devices.flat)
@@ -119,7 +119,7 @@ def test_to_static_applies_the_strategy_and_gives_the_dygraph_loops_losses():
     losses = [float(dm(x, y)) for x, y in loader()]
     # Gradient merge in one call averages 4 micro-batches: the gradient of the whole batch.
     np.testing.assert_allclose(losses, one_device(data), rtol=1e-5)
-    plan = dm.trainer.train_step.plan
+    plan = dm.trainer.program.plan
     assert plan.sharding_stage == 2 and plan.gradient_merge.k_steps == 4
 
     x, y = data[0]
@@ -222,7 +222,7 @@ def test_amp_through_shard_scaler_casts_and_scales_in_the_step():
         scaler.update()
         opt.clear_grad()
         losses.append(loss.item())
-    plan = opt.trainer.train_step.plan
+    plan = opt.trainer.program.plan
     assert plan.amp.loss_scaling.init_loss_scaling == 1024
     assert opt.trainer.metrics["loss_scale"] == 1024
     np.testing.assert_allclose(losses, one_device(data), rtol=3e-3)  # float16 matmuls

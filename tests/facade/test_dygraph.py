@@ -97,7 +97,7 @@ def test_the_dygraph_loop_is_make_train_steps_step(fresh_fleet):
     assert f.trainer.loss_fn == loss.loss_fn and int(f.trainer.state.step) == 4
 
     x, y = batches[0]
-    trained = f.trainer.train_step
+    trained = f.trainer.program
     compiled = hlo(trained, trained.abstract_state, loss.batch)
     assert compiled == hlo(step, step.abstract_state, {"x": x, "y": y})
     assert " all-reduce(" in compiled  # the gradients, reduced over the 8 devices

@@ -72,7 +72,7 @@ def parallelized(data, mesh, config, model_config=FOUR_LAYERS):
         opt.step()
         opt.clear_grad()
         losses.append(loss.item())
-    step, state = opt.trainer.train_step, opt.trainer.state
+    step, state = opt.trainer.program, opt.trainer.state
     batch = {"inputs": (data[0][0],), "keywords": {}, "label": data[0][1]}
     text = step.lower(state, batch).compile().as_text()
     return losses, text, fleetjax.explain(step, batch, show=False)
@@ -101,7 +101,7 @@ def fleet_program(data, strategy, mesh, sequence_parallel=False, layers=4):
         state = step.init(params)
     else:
         trainer = fleetjax.fleet.Trainer(loss_fn, model, opt)
-        step, state = trainer.train_step, trainer.state
+        step, state = trainer.program, trainer.state
     losses = []
     for ids, labels in data:
         state, metrics = step(state, {"ids": ids, "labels": labels})

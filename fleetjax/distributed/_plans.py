@@ -211,15 +211,19 @@ class SequenceParallelDisable(PlanBase):
         )
 
 
-class PrepareLayerInput(PlanBase):
-    """Paddle's `PrepareLayerInput(fn)`: `fn(process_mesh)` is a pre-hook `hook(layer,
-    inputs)` returning the new inputs (it may `dist.reshard` them: inside the step, a layout
-    constraint)."""
+class _UserHook(PlanBase):
+    """A plan whose hook the user's `fn(process_mesh)` makes."""
 
     def __init__(self, fn: Any = None) -> None:
         if not callable(fn):
-            raise TypeError(f"PrepareLayerInput's fn must be callable, got {fn!r}")
+            raise TypeError(f"{type(self).__name__}'s fn must be callable, got {fn!r}")
         self.fn = fn
+
+
+class PrepareLayerInput(_UserHook):
+    """Paddle's `PrepareLayerInput(fn)`: `fn(process_mesh)` is a pre-hook `hook(layer,
+    inputs)` returning the new inputs (it may `dist.reshard` them: inside the step, a layout
+    constraint)."""
 
     def apply(
         self, layer: nnx.Module, mesh: ProcessMesh, params: tuple[str, ...], resplit: bool
@@ -227,14 +231,9 @@ class PrepareLayerInput(PlanBase):
         return (self.fn(process_mesh=mesh),), ()
 
 
-class PrepareLayerOutput(PlanBase):
+class PrepareLayerOutput(_UserHook):
     """Paddle's `PrepareLayerOutput(fn)`: `fn(process_mesh)` is a post-hook `hook(layer,
     inputs, outputs)` returning the new outputs."""
-
-    def __init__(self, fn: Any = None) -> None:
-        if not callable(fn):
-            raise TypeError(f"PrepareLayerOutput's fn must be callable, got {fn!r}")
-        self.fn = fn
 
     def apply(
         self, layer: nnx.Module, mesh: ProcessMesh, params: tuple[str, ...], resplit: bool

@@ -8,7 +8,7 @@ or 16) are compiled beside it. Then the CPU benchmarks' ZeRO staircase and pipel
 are compiled again for H100s and compared with the CPU compiles. Nothing runs: every figure is
 XLA:GPU's plan or the cost model's estimate, unverified on a real GPU.
 
-    python benchmarks/h100.py [--quick] [--out DIR]     # JAX_PLATFORMS=cpu, fleetjax[aot]
+    python benchmarks/h100.py [--quick] [--out DIR]     # pip install -e '.[aot]'
 """
 
 from __future__ import annotations

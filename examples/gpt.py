@@ -102,7 +102,7 @@ class GPTConfig:
         ``"xla"`` (whose autodiff also keeps the float32 scores) or ``"cudnn"`` (cuDNN's fused
         flash attention on NVIDIA GPUs, which keeps no [heads, T, T] scores; it takes bf16 or
         fp16 only, so float32 q, k and v are cast to bfloat16 for it, and it needs the cuDNN
-        library even to compile: ``pip install 'fleetjax[aot-cudnn]'`` without a GPU). Under
+        library even to compile: ``pip install -e '.[aot-cudnn]'`` without a GPU). Under
         ``cp`` the ring attention runs instead.
     """
 

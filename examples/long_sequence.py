@@ -9,7 +9,7 @@ keeps its bf16 probabilities (32 heads x 32k x 32k x 2 bytes: 64 GiB a sequence)
 
     python examples/long_sequence.py
 
-Needs jax's CUDA plugin (`pip install 'fleetjax[aot]'`) for the compile-only H100s.
+Needs jax's CUDA plugin (`pip install -e '.[aot]'` in this clone) for the compile-only H100s.
 """
 
 from __future__ import annotations

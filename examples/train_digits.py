@@ -165,10 +165,10 @@ def main(args: argparse.Namespace) -> dict[str, float]:
     manager = None
     if args.checkpoint_dir:
         manager = CheckpointManager(args.checkpoint_dir, save_interval_steps=args.save_every)
-        if manager.latest_step() is not None:
-            state, extra = manager.restore(state)
+        if (resumed := manager.resume(state)) is not None:  # the newest intact checkpoint
+            step_done, state, extra = resumed
             loader.set_state(extra["data"])  # the data position: the next unseen batch
-            print(f"resumed from {manager.directory} at step {manager.latest_step()}")
+            print(f"resumed from {manager.directory} at step {step_done}")
     done = int(state.step)
     lead = jax.process_index() == 0  # one process reports
     writer = tensorboard_writer(args.tensorboard) if args.tensorboard and lead else None

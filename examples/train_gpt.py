@@ -11,6 +11,9 @@ tensor-parallel devices.
     python examples/train_gpt.py --strategy examples/strategies/gpt_zero_amp.prototxt
     python examples/train_gpt.py --pp 1 --dp 1 --sharding 4 --stage 3   # ZeRO-3 x mp2
     python examples/train_gpt.py --schedule VPP --amp --recompute
+    python examples/train_gpt.py --schedule ZBH1                # zero bubble (also ZBVPP, ...)
+    python examples/train_gpt.py --dp 1 --sep 2                 # segment parallelism x pp2 x mp2
+    python examples/train_gpt.py --dp 1 --pp 1 --sharding 4 --cp 2 --sequence-parallel
     python examples/train_gpt.py --tensorboard runs/gpt         # needs tensorboardX
 
 Flags are set on top of the strategy file (or, without one, of dp2 x pp2 x mp2 with a 1F1B
@@ -39,9 +42,11 @@ from fleetjax import fleet
 from fleetjax.data import Loader
 from fleetjax.mesh import data_parallel_size
 from fleetjax.transforms.pipeline import PipelineLayer
+from fleetjax.transforms.pipeline.schedules import SCHEDULE_MODES
 
-SCHEDULES = ("1F1B", "FThenB", "VPP")
-VIRTUAL_STAGES = 2  # model chunks per pipeline stage under VPP
+SCHEDULES = tuple(dict.fromkeys(SCHEDULE_MODES.values()))  # FThenB, 1F1B, Eager1F1B, VPP, ...
+INTERLEAVED = ("VPP", "ZBVPP")  # the schedules that run several model chunks per stage
+VIRTUAL_STAGES = 2  # model chunks per pipeline stage under VPP and ZBVPP
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,16 +82,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--strategy", help="a DistributedStrategy prototxt file (Paddle's format)")
     switches = parser.add_argument_group("strategy switches (set on top of --strategy)")
-    for axis, what in (
-        ("dp", "data-parallel replicas"),
-        ("sharding", "ZeRO sharding degree (splits the batch too)"),
-        ("pp", "pipeline stages"),
-        ("mp", "tensor-parallel (Megatron) degree"),
-    ):
+    for axis, what in DEGREES.items():
         switches.add_argument(f"--{axis}", type=int, metavar="N", help=what)
     switches.add_argument("--stage", type=int, choices=(1, 2, 3), help="the ZeRO stage")
     switches.add_argument("--micro-batches", type=int, metavar="M", help="accumulate_steps")
-    switches.add_argument("--schedule", choices=SCHEDULES, help="the pipeline's schedule_mode")
+    switches.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        help="the pipeline's schedule_mode (VPP and ZBVPP: 2 model chunks per stage)",
+    )
+    switches.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="Megatron's sequence parallelism: the residual stream's sequence split over mp "
+        "outside the tensor-parallel matmuls (Paddle GPT's sequence_parallel; needs --mp > 1)",
+    )
     switches.add_argument("--amp", choices=("float16", "bfloat16"), nargs="?", const="bfloat16")
     switches.add_argument(
         "--recompute", action="store_true", help="recompute each block in the backward pass"
@@ -95,6 +105,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-every", type=int, default=20, help="a metrics line every N steps")
     parser.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard scalars here")
     return parser.parse_args(argv)
+
+
+# The hybrid_configs degrees the command line sets (--dp N is dp_degree), and what each splits.
+DEGREES = {
+    "dp": "data-parallel replicas",
+    "sharding": "ZeRO sharding degree (splits the batch too)",
+    "pp": "pipeline stages",
+    "mp": "tensor-parallel (Megatron) degree",
+    "sep": "segment-parallel degree: each sequence split over sep, an all-to-all around "
+    "attention gives each device heads / sep heads of the whole sequence (Ulysses)",
+    "cp": "context-parallel degree: each sequence split over cp, attention a ring of keys and "
+    "values; carved out of --sharding, which it must divide (Paddle's cp_sharding_degree)",
+}
 
 
 def default_strategy() -> fleetjax.DistributedStrategy:
@@ -117,7 +140,7 @@ def strategy_from(args: argparse.Namespace) -> fleetjax.DistributedStrategy:
         s = fleetjax.DistributedStrategy.from_prototxt(args.strategy)
     else:
         s = default_strategy()
-    degrees = {"dp": args.dp, "sharding": args.sharding, "pp": args.pp, "mp": args.mp}
+    degrees = {axis: getattr(args, axis) for axis in DEGREES}
     s.hybrid_configs = {f"{axis}_degree": n for axis, n in degrees.items() if n is not None}
     if args.sharding is not None:
         s.sharding = args.sharding > 1
@@ -145,6 +168,11 @@ def strategy_from(args: argparse.Namespace) -> fleetjax.DistributedStrategy:
     if args.recompute:
         # Keep each block's input, recompute the rest (Paddle's full-block recompute).
         s.recompute, s.recompute_configs = True, {"policy": "nothing_saveable"}
+    if args.sequence_parallel and s.hybrid_configs["mp_degree"] < 2:
+        raise SystemExit(
+            "--sequence-parallel splits the sequence over the tensor-parallel devices: give "
+            f"--mp N > 1 (mp_degree is {s.hybrid_configs['mp_degree']})"
+        )
     return s
 
 
@@ -297,11 +325,12 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         num_hidden_layers=args.layers,
         intermediate_size=4 * args.hidden,
         hidden_dropout_prob=args.dropout,
+        sequence_parallel=args.sequence_parallel,
     )
     model, params = make_gpt(config, seed=args.seed)
     specs = model.partition_specs()
     if pipelined(strategy):
-        chunks = VIRTUAL_STAGES if strategy.pipeline_configs["schedule_mode"] == "VPP" else 1
+        chunks = VIRTUAL_STAGES if strategy.pipeline_configs["schedule_mode"] in INTERLEAVED else 1
         # Each block is marked for recompute (model.loss_fn marks its own); the mark does
         # nothing without the recompute switch.
         block = fleetjax.recompute(model.stage)

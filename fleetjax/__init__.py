@@ -60,6 +60,11 @@ from fleetjax.transforms.pipeline import (
 )
 from fleetjax.transforms.recompute import checkpoint_name, recompute
 
+# Before JAX starts its backends: with jax's CUDA plugin installed (the `aot` extra) and no
+# NVIDIA driver, JAX starts on the CPU and the plugin only compiles, without logging its
+# failed check of the CUDA libraries (docs/gpu_targets.md).
+targets.compile_only_without_a_driver()
+
 __version__ = "0.1.0"
 
 __all__ = [

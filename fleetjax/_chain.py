@@ -168,10 +168,10 @@ def _normalised(
             # Rebuilt here, so that flax Variables in it belong to this trace (nnx refuses
             # to update a Variable made at another trace level).
             model_state = jax.tree.map(lambda x: x, model_state)
-            out = _checked_output(loss_fn(params, model_state, batch, *rest), signature)
+            out = checked_output(loss_fn(params, model_state, batch, *rest), signature)
             *out, model_state = out
         else:  # loss or (loss, aux)
-            out = _checked_output(loss_fn(params, batch, *rest), signature)
+            out = checked_output(loss_fn(params, batch, *rest), signature)
             out = out if signature.has_aux else (out,)
         value, aux = out if signature.has_aux else (out[0], {})
         scaled = value if loss_scale is None else loss_scale.scale(value)
@@ -180,7 +180,7 @@ def _normalised(
     return loss
 
 
-def _checked_output(out: Any, signature: Signature) -> Any:
+def checked_output(out: Any, signature: Signature) -> Any:
     """`out` after checking that it is what the flags say the loss returns."""
     parts = (1 if signature.has_aux else 0) + (1 if signature.has_state else 0)
     form = [

@@ -157,13 +157,23 @@ class MessageSpec:
 
     def _unknown_message(self, name: str) -> str:
         text = f"{name!r} is not a field of {self.label}"
+        homes = [f.name for f in self.fields if f.is_message and name in f.type.names]
         if name in self.hints:
             text += f": {self.hints[name]}"
+        elif homes:
+            listed = " and ".join([", ".join(homes[:-1]), homes[-1]] if len(homes) > 1 else homes)
+            text += f": it is a key of {listed} ({self._set_in(homes[0], name)})"
         else:
             close = difflib.get_close_matches(name, self.names, n=1)
             if close:
                 text += f" (did you mean {close[0]!r}?)"
         return text + ". Valid names: " + ", ".join(self.names)
+
+    def _set_in(self, home: str, name: str) -> str:
+        """How `name` is set in this message's field `home`."""
+        if self.label == self.name:  # a strategy object, not a config inside one
+            return f"strategy.{home}[{name!r}] = ..."
+        return f"{self.label}[{home!r}][{name!r}] = ..."
 
 
 def field(

@@ -18,8 +18,9 @@ replicated onto ZeRO-sharded, 8 devices onto 4). Saving and restoring are collec
 several processes, all of them make the same calls with the same directory.
 
     manager = CheckpointManager("ckpt", max_to_keep=3, save_interval_steps=100)
-    if manager.latest_step() is not None:
-        step, state, extra = manager.restore_latest_intact(state)  # `state`: a fresh TrainState
+    resumed = manager.resume(state)  # `state`: a fresh TrainState; None: nothing to resume
+    if resumed is not None:
+        step, state, extra = resumed
     ...
     manager.save(step, state, extra={"data_position": position})  # every 100 steps
     manager.close()
@@ -34,18 +35,23 @@ import operator
 import os
 import shutil
 import socket
+import stat
 import threading
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from jax import lax
-from jax.experimental import multihost_utils
+
+from fleetjax import _coordinator
+from fleetjax._warnings import user_stacklevel
 
 STATE, EXTRA, MANIFEST = "state", "extra", "fleetjax"  # the items of every checkpoint
 MANIFEST_FILE = "manifest.json"  # in the MANIFEST item: the marker and the checksums
@@ -57,8 +63,37 @@ _FORMAT = 1
 
 
 class CorruptCheckpointError(RuntimeError):
-    """A checkpoint that cannot be restored as it was saved (damaged, incomplete or unreadable
-    files); the message names the step, the directory, what is wrong and the earlier steps."""
+    """A checkpoint that is proven damaged (a checksum that does not match, contents that do
+    not decode, a missing file or manifest), or none intact; the message names the step, the
+    directory, what is wrong and the earlier steps."""
+
+
+class UnreadableCheckpointError(OSError):
+    """A checkpoint whose files cannot be read now (no permission, an I/O error, a lost
+    mount): not proof of damage, so nothing is set aside; the message names the file and the
+    cause."""
+
+
+# Tensorstore's codes (and its and zstd's words) for files that are missing or do not decode:
+# proof of damage. Others (PERMISSION_DENIED, UNAVAILABLE, an OS error of the access) are not.
+_DAMAGE_CODES = ("NOT_FOUND", "DATA_LOSS", "OUT_OF_RANGE")
+_DAMAGE_WORDS = ("Data corruption detected", "Invalid JSON", "Error decoding")
+
+
+def _proves_damage(error: BaseException) -> bool:
+    """Whether a read error proves the files damaged: a missing file, contents that do not
+    decode. A refused or failed access (a permission, an I/O error, a lost mount) does not."""
+    seen: list[BaseException] = []
+    while error is not None and error not in seen:
+        seen.append(error)
+        error = error.__cause__ or error.__context__
+    for e in seen:
+        if isinstance(e, FileNotFoundError | json.JSONDecodeError | UnicodeDecodeError):
+            return True
+        if isinstance(e, OSError):
+            return False
+    text = str(seen[-1]) if seen else ""
+    return text.startswith(_DAMAGE_CODES) or any(word in text for word in _DAMAGE_WORDS)
 
 
 def _step_number(step: Any) -> int:
@@ -189,9 +224,15 @@ class CheckpointManager:
       async_save: write in a background thread; `save` returns once the arrays are copied off
         the devices, so training goes on while the files are written.
       read_only: only restore: nothing in `directory` is created, changed, locked or cleaned up.
+      start_over: where no intact checkpoint is left (every one damaged, or set aside by an
+        earlier run), `resume` trains from step 0 (None, with a warning) instead of raising,
+        and a writer opens such a directory instead of refusing it.
 
     Raises:
       RuntimeError: if another writer (in this process or another) holds the directory.
+      CorruptCheckpointError: for a writer, if every checkpoint of the directory was set aside
+        as damaged (and not `start_over`): a restart must not train from step 0 unnoticed.
+      UnreadableCheckpointError: if the directory cannot be listed, or links to nothing.
       ValueError: if the directory holds the checkpoints of `save_persistables` (or, for
         `save_persistables`, those of a `CheckpointManager`).
     """
@@ -206,6 +247,7 @@ class CheckpointManager:
         save_interval_steps: int = 1,
         async_save: bool = True,
         read_only: bool = False,
+        start_over: bool = False,
     ) -> None:
         _count("max_to_keep", max_to_keep, allow_none=True)
         _count("save_interval_steps", save_interval_steps)
@@ -213,8 +255,14 @@ class CheckpointManager:
         self.max_to_keep = max_to_keep
         self.save_interval_steps = save_interval_steps
         self.read_only = read_only
-        self._lock = None if read_only or jax.process_index() else self._take_directory()
-        handler = ocp.CompositeCheckpointHandler(
+        self.start_over = start_over
+        self._lock: _Lock | None = None
+        self._check_reachable()
+        # A writer's processes open the directory together (a reader may be alone).
+        refused = "" if read_only else _coordinator.share("checkpoint-open", self._open)
+        if refused:
+            raise CorruptCheckpointError(refused)
+        handler = self._handler = ocp.CompositeCheckpointHandler(
             **{
                 STATE: ocp.StandardCheckpointHandler(),
                 EXTRA: ocp.JsonCheckpointHandler(),
@@ -232,6 +280,32 @@ class CheckpointManager:
         self._failure: tuple[int, BaseException] | None = None  # of the last background save
         self._closed = False
 
+    def _open(self) -> str:
+        """On process 0: take the directory for writing; why it is refused ("" if it is not)."""
+        self._lock = self._take_directory()
+        listing = self._listing()
+        if listing["aside"] and not listing["steps"] and not self.start_over:
+            self._lock.release()
+            return self._nothing_intact(listing["aside"])
+        return ""
+
+    def _check_reachable(self) -> None:
+        """Raise `UnreadableCheckpointError` if the directory is a link to nothing (a mount
+        that is not there): not the empty directory of a first run."""
+        if os.path.islink(self.directory) and not os.path.exists(self.directory):
+            raise UnreadableCheckpointError(
+                f"checkpoint directory {self.directory} links to "
+                f"{os.path.realpath(self.directory)}, which does not exist (a mount that is not "
+                "there?); nothing was read or written"
+            )
+
+    def _nothing_intact(self, aside: list[str]) -> str:
+        return (
+            f"no intact checkpoint in {self.directory}: every one was set aside as damaged "
+            f"({', '.join(aside)}), so there is nothing to resume from; to train from step 0 "
+            "here, pass CheckpointManager(..., start_over=True) (or move those folders out)"
+        )
+
     def _take_directory(self) -> _Lock:
         """Create, lock and check the directory for writing; clean up after killed writers."""
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
@@ -244,8 +318,9 @@ class CheckpointManager:
             lock.release()
             raise
         self._clean_up()
-        for step in self._orphans():
-            self._set_aside(step, self._orphan_problem(step))
+        orphans = self._listing()["orphans"]
+        for step, where in self._move_aside(orphans).items():
+            self._warn_skipped(int(step), self._orphan_problem(int(step)), where)
         return lock
 
     # -- listing -----------------------------------------------------------------------------
@@ -257,28 +332,48 @@ class CheckpointManager:
 
     def all_steps(self) -> list[int]:
         """The steps of all complete checkpoints, oldest first: the folders `<step>/` that hold
-        a `fleetjax/` manifest folder (others, such as a user's `5/`, are not checkpoints)."""
-        try:
-            names = os.listdir(self.directory)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        steps = (int(n) for n in names if n.isdigit() and n == str(int(n)))
-        return sorted(s for s in steps if os.path.isdir(os.path.join(self._path(s), MANIFEST)))
+        a `fleetjax/` manifest folder (others, such as a user's `5/`, are not checkpoints), as
+        this process lists them (`resume` and `restore` use process 0's listing)."""
+        return self._listing()["steps"]
 
-    def _orphans(self) -> list[int]:
-        """Step folders that orbax wrote but that have no manifest (it was deleted, or a
-        fleetjax without manifests wrote them): damaged checkpoints, never a user's folder."""
+    def _listing(self) -> dict[str, list[Any]]:
+        """This process's view of the directory: the checkpoints' steps, the orphans' (step
+        folders that orbax wrote but that have no manifest: deleted, or written by a fleetjax
+        without manifests; damaged checkpoints, never a user's folder), and the folders of
+        checkpoints set aside, each sorted.
+
+        A step whose manifest folder cannot be checked (no permission, an I/O error) is listed
+        as a checkpoint: reading it says why, rather than skipping it for an older one.
+        """
         try:
             names = os.listdir(self.directory)
         except (FileNotFoundError, NotADirectoryError):
-            return []
-        steps = [int(n) for n in names if n.isdigit() and n == str(int(n))]
-        return sorted(
-            s
-            for s in steps
-            if not os.path.isdir(os.path.join(self._path(s), MANIFEST))
-            and os.path.exists(os.path.join(self._path(s), _ORBAX_STEP_METADATA))
-        )
+            names = []
+        except OSError as e:
+            raise UnreadableCheckpointError(
+                f"checkpoint directory {self.directory} cannot be listed ({e})"
+            ) from e
+        kinds: dict[str, list[int]] = {"checkpoint": [], "orphan": [], "": []}
+        for name in names:
+            if name.isascii() and name.isdigit() and name == str(int(name)):
+                kinds[self._kind(int(name))].append(int(name))
+        aside = [n for n in names if n.startswith(_ASIDE_PREFIX)]
+        return {
+            "steps": sorted(kinds["checkpoint"]),
+            "orphans": sorted(kinds["orphan"]),
+            "aside": sorted(aside),
+        }
+
+    def _kind(self, step: int) -> str:
+        """'checkpoint', 'orphan' or '' (not a checkpoint) for the folder of `step`."""
+        try:
+            mode = os.stat(os.path.join(self._path(step), MANIFEST)).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            metadata = os.path.join(self._path(step), _ORBAX_STEP_METADATA)
+            return "orphan" if os.path.exists(metadata) else ""
+        except OSError:
+            return "checkpoint"
+        return "checkpoint" if stat.S_ISDIR(mode) else ""
 
     def _orphan_problem(self, step: int) -> str:
         return (
@@ -286,18 +381,26 @@ class CheckpointManager:
             "or written by a fleetjax without manifests), so it cannot be verified"
         )
 
-    def _set_aside(self, step: int, problem: str) -> None:
-        """Warn that checkpoint `step` is skipped and why; a writer also moves it out of the
-        listing (kept, never deleted), so that the step can be saved again."""
-        where = ""
-        if not self.read_only and jax.process_index() == 0:
+    def _move_aside(self, steps: list[int]) -> dict[str, str]:
+        """Move checkpoints `steps` out of the listing (kept, never deleted), so that each
+        step can be saved again: process 0 of a writer does; {step: where it went}."""
+        if self.read_only or jax.process_index():
+            return {}
+        moved = {}
+        for step in steps:
             stamp = time.strftime("%Y%m%dT%H%M%S")
-            aside = os.path.join(
-                self.directory, f"{_ASIDE_PREFIX}{step}-{stamp}-{uuid.uuid4().hex[:6]}"
-            )
-            os.rename(self._path(step), aside)
-            where = f"; moved to {aside} (kept for a look; step {step} can be saved again)"
-        warnings.warn(f"skipping checkpoint {step}: {problem}{where}", RuntimeWarning, stacklevel=3)
+            aside = f"{_ASIDE_PREFIX}{step}-{stamp}-{uuid.uuid4().hex[:6]}"
+            os.rename(self._path(step), os.path.join(self.directory, aside))
+            moved[str(step)] = os.path.join(self.directory, aside)
+        return moved
+
+    def _warn_skipped(self, step: int, problem: str, where: str | None) -> None:
+        moved = f"; moved to {where} (kept for a look; step {step} can be saved again)"
+        warnings.warn(
+            f"skipping checkpoint {step}: {problem}{moved if where else ''}",
+            RuntimeWarning,
+            stacklevel=user_stacklevel(),
+        )
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None."""
@@ -310,7 +413,7 @@ class CheckpointManager:
         for step in self.all_steps():
             try:
                 writer = self._manifest(step)["writer"]
-            except (CorruptCheckpointError, KeyError, TypeError):
+            except (CorruptCheckpointError, UnreadableCheckpointError, KeyError, TypeError):
                 continue  # reported when restored
             if writer != self._WRITER:
                 others.setdefault(str(writer), []).append(step)
@@ -452,13 +555,24 @@ class CheckpointManager:
             f"checkpoint {step} in {self.directory} is corrupt: {problem}; {hint}"
         )
 
+    def _read_error(self, step: int, problem: str, error: BaseException) -> Exception:
+        """The error for a read of checkpoint `step` that failed with `error`: corrupt where
+        that proves damage (and the step's folder is still there), else unreadable."""
+        if _proves_damage(error) and os.path.isdir(self._path(step)):
+            return self._corrupt(step, problem)
+        return UnreadableCheckpointError(
+            f"checkpoint {step} in {self.directory} cannot be read: {problem}. That is no proof "
+            "of damage, so nothing was set aside: make it readable and restore again (if it is "
+            f"damaged, move {self._path(step)} out of the directory)"
+        )
+
     def _manifest(self, step: int) -> dict[str, Any]:
         path = self._manifest_path(step)
         try:
             with open(path, encoding="utf-8") as f:
                 manifest = json.load(f)
         except (OSError, ValueError) as e:
-            raise self._corrupt(step, f"its manifest {path} cannot be read ({e})") from None
+            raise self._read_error(step, f"its manifest {path} cannot be read ({e})", e) from None
         keys = {"format", "writer", "step", "checksums", "extra_sha256"}
         if not isinstance(manifest, dict) or not keys <= manifest.keys():
             raise self._corrupt(step, f"its manifest {path} lacks {sorted(keys)}")
@@ -474,12 +588,23 @@ class CheckpointManager:
         try:
             metadata = self._checkpointer.metadata(self._path(step)).item_metadata[STATE]
         except Exception as e:  # orbax and tensorstore raise many kinds
-            raise self._corrupt(
-                step, f"the array metadata in {where} cannot be read ({_reason(e)})"
-            ) from e
-        if metadata is None:  # orbax's answer when state/_METADATA is missing
-            raise self._corrupt(step, f"the array metadata {where}/_METADATA is missing")
+            problem = f"the array metadata in {where} cannot be read ({_reason(e)})"
+            raise self._read_error(step, problem, e) from e
+        if metadata is None:  # orbax's answer when it cannot find state/_METADATA
+            path = os.path.join(where, "_METADATA")
+            try:
+                os.stat(path)
+            except FileNotFoundError as e:  # proof
+                raise self._read_error(step, f"the array metadata {path} is missing", e) from None
+            except OSError as e:  # not to be seen now: no proof
+                problem = f"the array metadata {path} cannot be read ({e.strerror})"
+                raise self._read_error(step, problem, e) from None
+            raise self._corrupt(step, f"orbax finds no array metadata in {where}")
         return {"/".join(k): v for k, v in ocp.tree.to_flat_dict(metadata.tree).items()}
+
+    def _agreed_listing(self) -> dict[str, list[Any]]:
+        """Process 0's listing of the directory (`_listing`), on every process."""
+        return _coordinator.share("checkpoint-listing", self._listing)
 
     def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
         """`(state, extra)` of checkpoint `step` (default the latest complete one), verified
@@ -488,18 +613,37 @@ class CheckpointManager:
         `target` gives the tree, shapes and placement: a pytree like the saved state whose
         leaves are `jax.Array`s (e.g. a freshly initialised state) or `jax.ShapeDtypeStruct`s
         with shardings. Values are placed with the target's shardings and cast to its dtypes.
+        With several processes, the latest step is process 0's, and every process raises if
+        any one's read fails.
 
         Raises:
           FileNotFoundError: if there is no such checkpoint.
           ValueError: if the target's tree or shapes differ from the checkpoint's.
-          CorruptCheckpointError: if the checkpoint's files are damaged, missing or unreadable,
-            or an array or the extras do not match their checksums.
+          CorruptCheckpointError: if the checkpoint is proven damaged: a file is missing or
+            does not decode, or an array or the extras do not match their checksums.
+          UnreadableCheckpointError: if a file cannot be read (no permission, an I/O error).
         """
-        steps = self.all_steps()
-        step = (steps[-1] if steps else None) if step is None else _step_number(step)
+        step = None if step is None else _step_number(step)
+        steps = self._agreed_listing()["steps"]
+        step = (steps[-1] if steps else None) if step is None else step
         if step is None or step not in steps:
             raise FileNotFoundError(self._missing(step, steps))
+        return self._restore_together(target, step)
+
+    def _restore_together(self, target: Any, step: int) -> tuple[Any, dict[str, Any]]:
+        """`restore` of `step` on every process: each reads its part, and none verifies (a
+        collective) or returns until all have read, so that a failure anywhere is raised
+        everywhere."""
         abstract = _abstract(target)
+        state, extra, manifest = _settled("read", lambda: self._read_step(step, abstract))
+        _settled("verify", lambda: self._verify(step, manifest, state, extra))
+        state = jax.tree.map(
+            lambda x, want: x if x.dtype == want.dtype else x.astype(want.dtype), state, abstract
+        )
+        return state, extra
+
+    def _read_step(self, step: int, abstract: Any) -> tuple[Any, Any, dict[str, Any]]:
+        """(state, extras, manifest) of checkpoint `step` as this process reads them."""
         manifest = self._manifest(step)
         saved = self._saved_arrays(step)
         _check_fits(saved, abstract, self._path(step))
@@ -513,20 +657,17 @@ class CheckpointManager:
         )
         state = self._read(step, STATE, ocp.args.StandardRestore(as_saved))
         extra = self._read(step, EXTRA, ocp.args.JsonRestore())
-        self._verify(step, manifest, state, extra)
-        state = jax.tree.map(
-            lambda x, want: x if x.dtype == want.dtype else x.astype(want.dtype), state, abstract
-        )
-        return state, extra
+        return state, extra, manifest
 
     def _read(self, step: int, item: str, args: ocp.args.CheckpointArgs) -> Any:
-        """Item `item` of checkpoint `step`, read by orbax."""
+        """Item `item` of checkpoint `step`, read by orbax's handler (its checkpointer's
+        restore ends in a barrier that a process whose read failed would never reach)."""
         try:
             composite = ocp.args.Composite(**{item: args})
-            return self._checkpointer.restore(self._path(step), args=composite)[item]
+            return self._handler.restore(epath.Path(self._path(step)), args=composite)[item]
         except Exception as e:  # orbax and tensorstore raise many kinds
             where = os.path.join(self._path(step), item)
-            raise self._corrupt(step, f"{where} cannot be read ({_reason(e)})") from e
+            raise self._read_error(step, f"{where} cannot be read ({_reason(e)})", e) from e
 
     def _missing(self, step: int | None, steps: list[int]) -> str:
         message = (
@@ -550,39 +691,121 @@ class CheckpointManager:
         if problems:
             raise self._corrupt(step, "; ".join(problems))
 
+    def _newest_intact(
+        self, target: Any, listing: dict[str, list[Any]]
+    ) -> tuple[tuple[int, Any, dict[str, Any]] | None, list[str]]:
+        """(step, state, extra) of the newest checkpoint of `listing` that restores intact
+        (None if none does), and what is wrong with each newer one; those are skipped with a
+        warning, and a writer moves them aside. An unreadable one stops the search (raised,
+        nothing moved): it may be the newest intact one."""
+        orphans = listing["orphans"]
+        damaged = {step: self._orphan_problem(step) for step in orphans}
+        found = None
+        for step in sorted({*listing["steps"], *orphans}, reverse=True):
+            if step in damaged:
+                continue
+            try:
+                found = (step, *self._restore_together(target, step))
+                break
+            except CorruptCheckpointError as e:
+                damaged[step] = str(e)
+        skipped = sorted((s for s in damaged if found is None or s > found[0]), reverse=True)
+        # Agreed, so every process asks; process 0 moves them before any process goes on.
+        moved = _coordinator.share("checkpoint-set-aside", lambda: self._move_aside(skipped))
+        for step in skipped:
+            self._warn_skipped(step, damaged[step], moved.get(str(step)))
+        return found, [damaged[step] for step in skipped]
+
     def restore_latest_intact(self, target: Any) -> tuple[int, Any, dict[str, Any]]:
         """`(step, state, extra)` of the newest checkpoint that restores intact: each newer
-        one that raises `CorruptCheckpointError`, or that lost its manifest, is skipped with a
-        warning saying why, and a writer moves it aside (to `corrupt-<step>-<time>-<id>` in
-        the directory: kept, never listed), so that training on can save that step again.
+        one that is proven damaged (`CorruptCheckpointError`), or that lost its manifest, is
+        skipped with a warning saying why, and a writer moves it aside (to
+        `corrupt-<step>-<time>-<id>` in the directory: kept, never listed), so that training
+        on can save that step again. With several processes, process 0 lists the directory
+        and all agree on each step's verdict before anything is moved.
 
         Raises:
           FileNotFoundError: if there is no checkpoint.
           CorruptCheckpointError: if none is intact (naming what is wrong with each).
+          UnreadableCheckpointError: if a checkpoint newer than the intact ones cannot be read
+            (nothing is moved).
           ValueError: if the target's tree or shapes differ from a checkpoint's.
         """
-        steps, orphans = self.all_steps(), self._orphans()
-        if not steps and not orphans:
-            raise FileNotFoundError(self._missing(None, steps))
-        problems, moved = [], False
+        listing = self._agreed_listing()
+        if not listing["steps"] and not listing["orphans"]:
+            raise FileNotFoundError(self._missing(None, listing["steps"]))
+        found, problems = self._newest_intact(target, listing)
+        if found is None:
+            raise CorruptCheckpointError(
+                f"no intact checkpoint in {self.directory}: " + " | ".join(problems)
+            )
+        return found
+
+    def resume(self, target: Any) -> tuple[int, Any, dict[str, Any]] | None:
+        """`(step, state, extra)` to resume training from: the newest intact checkpoint, as
+        `restore_latest_intact` finds it (newer damaged ones set aside); None where there is
+        nothing to resume from (no checkpoint, and none set aside as damaged). The resume of a
+        training loop, decided once for all processes (process 0 lists the directory, all
+        agree on each step's verdict through JAX's coordination service).
+
+        When no intact checkpoint is left (all damaged now, or set aside by an earlier run),
+        it raises rather than let training start over from step 0 unnoticed; with
+        `start_over=True` it warns and returns None.
+
+        Raises:
+          CorruptCheckpointError: if checkpoints were saved but none is intact (naming what is
+            wrong with each), unless `start_over`.
+          UnreadableCheckpointError: if a checkpoint newer than the intact ones cannot be read
+            (nothing is moved).
+          ValueError: if the target's tree or shapes differ from a checkpoint's.
+        """
+        listing = self._agreed_listing()
+        if not listing["steps"] and not listing["orphans"]:
+            problem = self._nothing_intact(listing["aside"]) if listing["aside"] else ""
+        else:
+            found, problems = self._newest_intact(target, listing)
+            if found is not None:
+                return found
+            problem = (
+                f"no intact checkpoint in {self.directory}: {' | '.join(problems)}; nothing to "
+                "resume from: to train from step 0 here, pass "
+                "CheckpointManager(..., start_over=True)"
+            )
+        if problem and not self.start_over:
+            raise CorruptCheckpointError(problem)
+        if problem:
+            warnings.warn(
+                f"{problem}; start_over=True: training starts over", stacklevel=user_stacklevel()
+            )
+        return None
+
+
+def _settled(what: str, read: Callable[[], Any]) -> Any:
+    """`read()`'s value once every process's `read()` returned; else the error of the first
+    process that raised, on every process (its own error where it raised)."""
+    try:
+        value, failure = read(), None
+    except (CorruptCheckpointError, UnreadableCheckpointError, ValueError, TypeError) as e:
+        value, failure = None, e
+    own = None if failure is None else [type(failure).__name__, str(failure)]
+    outcomes = _coordinator.gather(f"checkpoint-{what}", own)
+    if failure is not None:
         try:
-            for step in sorted({*steps, *orphans}, reverse=True):
-                if step in orphans:
-                    problem = self._orphan_problem(step)
-                else:
-                    try:
-                        return (step, *self.restore(target, step))
-                    except CorruptCheckpointError as e:
-                        problem = str(e)
-                self._set_aside(step, problem)
-                problems.append(problem)
-                moved = not self.read_only
-        finally:
-            if moved and jax.process_count() > 1:  # the others list the directory anew after
-                multihost_utils.sync_global_devices("fleetjax-checkpoint-set-aside")
-        raise CorruptCheckpointError(
-            f"no intact checkpoint in {self.directory}: " + " | ".join(problems)
-        )
+            raise failure
+        finally:  # no cycle through this frame: orbax's futures in its traceback go at once
+            failure = None
+    for process, outcome in enumerate(outcomes):
+        if outcome is not None:
+            kind, message = outcome
+            error = _ERRORS.get(kind, RuntimeError)
+            raise error(f"{message} (on process {process})")
+    return value
+
+
+_ERRORS: dict[str, type[Exception]] = {
+    error.__name__: error
+    for error in (CorruptCheckpointError, UnreadableCheckpointError, ValueError, TypeError)
+}
 
 
 def _reason(error: BaseException) -> str:

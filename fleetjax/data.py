@@ -16,8 +16,8 @@ reads, transforms and transfers the next `prefetch` batches while the step runs;
 checkpoint's extras, `set_state` resumes at the next unseen batch.
 
     loader = fleetjax.data.Loader(train, step, global_batch_size=256, seed=0)
-    if manager.latest_step() is not None:
-        _, state, extra = manager.restore_latest_intact(state)
+    if (resumed := manager.resume(state)) is not None:
+        _, state, extra = resumed
         loader.set_state(extra["data"])
     for batch in loader:
         state, metrics = step(state, batch)

@@ -15,16 +15,24 @@ as one compiled train step.
 A `Deferred` value refuses any other computation (`DeferredError`) rather than give a loss
 without a gradient: for those, the loss is a function `loss_fn(model, batch)` that the train
 step differentiates (`optimizer.minimize(loss_fn, batch)`).
+
+Each layer checks its input and label as Paddle does, before anything runs: shapes (an error
+naming both; a label that broadcasts against an input of another shape, which Paddle allows
+in `MSELoss` and `L1Loss`, warns), integer class labels, labels within the classes or equal to
+`ignore_index`. The values are checked where they are known (arrays, the dygraph loop's
+label); inside a traced function a label out of range gives a NaN loss, never another class's.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NoReturn
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from fleetjax._warnings import warn_once
+from fleetjax._warnings import user_stacklevel, warn_once
 
 __all__ = [
     "BCELoss",
@@ -138,8 +146,19 @@ class LossLayer:
         if isinstance(label, Deferred):
             label._refuse(f"{type(self).__name__}(input, label=...)")
         if isinstance(input, Deferred):
+            known = (
+                label if hasattr(label, "shape") and hasattr(label, "dtype") else np.asarray(label)
+            )
+            self.check(jax.ShapeDtypeStruct(input.shape, input.dtype), known)
             return input.with_loss(self, label)
-        return self.forward(jnp.asarray(input), jnp.asarray(label))
+        input, label = jnp.asarray(input), jnp.asarray(label)
+        self.check(input, label)
+        return self.forward(input, label)
+
+    def check(self, input: Any, label: Any) -> None:
+        """Raise (or warn) as Paddle's layer does for this `input` and `label`, before
+        anything runs: their shapes, the label's dtype and, where known, its values."""
+        _same_shape(self, input, label, broadcast=False)
 
     def forward(self, input: jax.Array, label: jax.Array) -> jax.Array:
         """The loss of arrays (Paddle's `forward`)."""
@@ -164,6 +183,12 @@ class LossLayer:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if v is not None)
         return f"{type(self).__name__}({fields})"
 
+    def _named(self, input: Any, label: Any) -> str:
+        return (
+            f"{type(self).__name__}: input has shape {list(input.shape)} and label "
+            f"{list(label.shape)}"
+        )
+
 
 def _hashable(value: Any) -> Any:
     return value if isinstance(value, (int, float, str, bool, type(None))) else id(value)
@@ -175,6 +200,9 @@ class MSELoss(LossLayer):
     def __init__(self, reduction: str = "mean", name: str | None = None) -> None:
         super().__init__(reduction, name)
 
+    def check(self, input: Any, label: Any) -> None:
+        _same_shape(self, input, label, broadcast=True)
+
     def forward(self, input: jax.Array, label: jax.Array) -> jax.Array:
         return self._reduce(jnp.square(input - label))
 
@@ -184,6 +212,9 @@ class L1Loss(LossLayer):
 
     def __init__(self, reduction: str = "mean", name: str | None = None) -> None:
         super().__init__(reduction, name)
+
+    def check(self, input: Any, label: Any) -> None:
+        _same_shape(self, input, label, broadcast=True)
 
     def forward(self, input: jax.Array, label: jax.Array) -> jax.Array:
         return self._reduce(jnp.abs(input - label))
@@ -263,6 +294,30 @@ class CrossEntropyLoss(LossLayer):
         self.weight, self.ignore_index, self.soft_label = weight, ignore_index, soft_label
         self.axis, self.use_softmax, self.label_smoothing = axis, use_softmax, label_smoothing
 
+    def check(self, input: Any, label: Any) -> None:
+        axis = self.axis % max(len(input.shape), 1)
+        classes, others = input.shape[axis], _without(input.shape, axis)
+        if self.soft_label:
+            if tuple(label.shape) != tuple(input.shape):
+                raise ValueError(
+                    f"{self._named(input, label)}: with soft_label=True the label holds a "
+                    f"probability per class, the input's shape"
+                )
+        else:
+            hard = tuple(label.shape) == others or (
+                len(label.shape) == len(input.shape)
+                and label.shape[axis] == 1
+                and _without(label.shape, axis) == others
+            )
+            if not hard:
+                kept = [*input.shape[:axis], 1, *input.shape[axis + 1 :]]
+                raise ValueError(
+                    f"{self._named(input, label)}: a hard label holds one class index per row: "
+                    f"shape {list(others)}, or {kept} (the classes on axis={self.axis})"
+                )
+            _class_indices(self, label, classes, self.ignore_index, IndexError)
+        _class_weights(self, classes)
+
     def forward(self, input: jax.Array, label: jax.Array) -> jax.Array:
         logits = jnp.moveaxis(input, self.axis, -1)
         log_p = jax.nn.log_softmax(logits) if self.use_softmax else jnp.log(logits)
@@ -284,7 +339,7 @@ class CrossEntropyLoss(LossLayer):
             valid = hard != self.ignore_index
             safe = jnp.where(valid, hard, 0)
             picked = jnp.take_along_axis(log_p, safe[..., None], axis=-1)[..., 0]
-            loss = jnp.where(valid, -picked, 0.0)
+            loss = jnp.where(valid, -_within(picked, hard, logits.shape[-1], valid), 0.0)
             if self.weight is not None:
                 weights = jnp.where(valid, jnp.asarray(self.weight)[safe], 0)
             count = valid.sum() if self.ignore_index >= 0 else None
@@ -312,12 +367,22 @@ class NLLLoss(LossLayer):
         super().__init__(reduction, name)
         self.weight, self.ignore_index = weight, ignore_index
 
+    def check(self, input: Any, label: Any) -> None:
+        if len(input.shape) < 2 or tuple(label.shape) != _without(input.shape, 1):
+            raise ValueError(
+                f"{self._named(input, label)}: NLLLoss takes log-probabilities [N, C] or [N, C, "
+                "d1, ...] and one class index per row, [N] or [N, d1, ...]"
+            )
+        _class_indices(self, label, input.shape[1], self.ignore_index, ValueError)
+        _class_weights(self, input.shape[1])
+
     def forward(self, input: jax.Array, label: jax.Array) -> jax.Array:
         log_p = jnp.moveaxis(input, 1, -1)
         label = label.astype(jnp.int32)
         valid = label != self.ignore_index
         safe = jnp.where(valid, label, 0)
         picked = jnp.take_along_axis(log_p, safe[..., None], axis=-1)[..., 0]
+        picked = _within(picked, label, log_p.shape[-1], valid)
         weights = valid.astype(log_p.dtype)
         if self.weight is not None:
             weights = weights * jnp.asarray(self.weight)[safe]
@@ -325,6 +390,74 @@ class NLLLoss(LossLayer):
         if self.reduction == "none":
             return loss
         return _weighted(loss, self.reduction, weights, None)
+
+
+def _without(shape: Any, axis: int) -> tuple[int, ...]:
+    return (*shape[:axis], *shape[axis + 1 :])
+
+
+def _same_shape(layer: LossLayer, input: Any, label: Any, broadcast: bool) -> None:
+    """Raise `ValueError` unless `input` and `label` have one shape; with `broadcast` (Paddle's
+    `MSELoss`, `L1Loss`), warn instead where they broadcast to a third one."""
+    if tuple(input.shape) == tuple(label.shape):
+        return
+    try:
+        both = np.broadcast_shapes(tuple(input.shape), tuple(label.shape))
+    except ValueError:
+        both = None
+    if not broadcast or both is None:
+        raise ValueError(
+            f"{layer._named(input, label)}: they must have the same shape"
+            + (" (or shapes that broadcast)" if broadcast else "")
+        )
+    warnings.warn(
+        f"{layer._named(input, label)}, which broadcast to {list(both)}: each input meets "
+        "every label it broadcasts against, likely not what was meant (Paddle computes it "
+        "silently); give them the same shape",
+        UserWarning,
+        stacklevel=user_stacklevel(),
+    )
+
+
+def _class_indices(
+    layer: LossLayer, label: Any, classes: int, ignore_index: int, error: type[Exception]
+) -> None:
+    """Raise unless `label` holds integers, each in [0, classes) or `ignore_index` (the
+    values where they are known: not while traced). Paddle raises `error` for a value."""
+    if not jnp.issubdtype(label.dtype, jnp.integer):
+        soft = ", probabilities per class soft_label=True" if hasattr(layer, "soft_label") else ""
+        raise TypeError(
+            f"{type(layer).__name__}: label has dtype {label.dtype}; hard labels are class "
+            f"indices, integers (cast them with .astype('int64'){soft})"
+        )
+    if isinstance(label, jax.core.Tracer) or (
+        isinstance(label, jax.Array) and not label.is_fully_addressable
+    ):
+        return  # values unknown here, or on other processes too
+    values = np.asarray(label)
+    bad = (values != ignore_index) & ((values < 0) | (values >= classes))
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise error(
+            f"{type(layer).__name__}: label[{', '.join(map(str, where))}] is {values[where]}, "
+            f"not a class (0..{classes - 1}) nor ignore_index ({ignore_index})"
+        )
+
+
+def _class_weights(layer: LossLayer, classes: int) -> None:
+    weight = getattr(layer, "weight", None)
+    if weight is not None and np.shape(weight) != (classes,):
+        raise ValueError(
+            f"{type(layer).__name__}: weight has shape {list(np.shape(weight))}; it holds one "
+            f"weight per class: [{classes}]"
+        )
+
+
+def _within(picked: jax.Array, label: jax.Array, classes: int, kept: jax.Array) -> jax.Array:
+    """`picked` where the label is a class, NaN where it is none and not ignored: a traced
+    label out of range poisons the loss rather than train another class."""
+    inside = (label >= 0) & (label < classes)
+    return jnp.where(inside | ~kept, picked, jnp.nan)
 
 
 def _weighted(

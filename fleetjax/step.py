@@ -23,7 +23,13 @@ import optax
 from jax.sharding import Mesh
 
 from fleetjax import _liveness
-from fleetjax._batch import BatchShapes, abstract_batch, check_batch, place_batch
+from fleetjax._batch import (
+    BatchShapes,
+    abstract_batch,
+    check_batch,
+    check_run_batches,
+    place_batch,
+)
 from fleetjax._chain import Signature, grad_chain
 from fleetjax._checks import check_model_state, check_params, check_state
 from fleetjax._tables import Tables
@@ -225,14 +231,7 @@ class TrainStep:
         `Strategy`) in one compiled call, a `lax.scan` over `batches`, each as `__call__` takes
         it. Returns the last state and every step's metrics, stacked on a leading axis."""
         batches = list(batches)
-        expected = self.plan.iterations_per_run
-        if expected is not None and len(batches) != expected:
-            raise ValueError(
-                f"run() got {len(batches)} batches, but DistributedStrategy.execution_strategy"
-                f".num_iteration_per_run={expected}: pass that many, or change it"
-            )
-        if not batches:
-            raise ValueError("run() got no batches")
+        check_run_batches(batches, self.plan.iterations_per_run)
         return self._called(state, self.shard_batch(batches), len(batches))
 
     def compiled(self, state: Any, steps: int | None = None) -> Any:
@@ -270,7 +269,9 @@ class TrainStep:
     def shard_batch(self, batch: Any) -> Any:
         """`batch` as global arrays split over the data axes, resharded if need be: host
         arrays are this process's rows of the global batch, JAX arrays global already."""
-        return place_batch(self._checked_batch(batch), self.batch_sharding)
+        checked = self._checked_batch(batch)
+        self._shapes.agree(checked)  # with several processes: the same shapes on each
+        return place_batch(checked, self.batch_sharding)
 
     def _checked_batch(self, batch: Any) -> Any:
         merge = self.plan.in_step_merge

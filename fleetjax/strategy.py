@@ -299,16 +299,22 @@ class Strategy(_Whole):
     Examples:
       >>> s = fleetjax.Strategy({"sharding": {"enable": True, "stage": 2, "degree": 4}})
       >>> s.gradient_merge.k_steps = 4
+      >>> s = fleetjax.Strategy(fleetjax.fleet.auto.Strategy())  # the older one, converted
 
     Unlike Paddle, unknown sections or keys raise `UnknownFieldError` and values are checked
     (e.g. `sharding.stage` must be 1, 2 or 3). A `config` that is not a dict raises a
-    ValueError (and TypeError), as in Paddle.
+    ValueError (and TypeError), as in Paddle; a `fleetjax.fleet.auto.Strategy` (Paddle's older
+    auto-parallel strategy) is converted as `_from_legacy_strategy` converts it (a fleetjax
+    extension: Paddle's users call that method).
     """
 
     SPEC = _schema.AUTO_STRATEGY
 
-    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
-        super().__init__(config)
+    def __init__(self, config: Mapping[str, Any] | Message | None = None) -> None:
+        legacy = isinstance(config, Message) and config._spec is _schema.LEGACY_AUTO_STRATEGY
+        super().__init__(None if legacy else config)
+        if legacy:
+            self._from_legacy_strategy(config)
 
     def _from_legacy_strategy(self, legacy_strategy: Message) -> None:
         """Paddle's `Strategy._from_legacy_strategy`: take every setting of a

@@ -11,13 +11,17 @@ Modes:
   hold: opens DIR as a writer, prints "holding" and sleeps until it is killed.
   save-forever: saves checkpoints `value(step)` for step = latest + 1, latest + 2, ... with
     max_to_keep=2, printing "saved <step>" once each is complete, until it is killed.
+  resume: opens DIR as a writer and resumes a state of test_checkpoint_faults.py's tree
+    (`state_of`), printing as JSON the step, or the error, and the warnings.
 """
 
+import json
 import os
 import shutil
 import signal
 import sys
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +73,21 @@ def save_forever(directory: str) -> None:
         step += 1
 
 
+def resume(directory: str) -> None:
+    target = {
+        "w": jnp.zeros((512, 512)),
+        "b": {"c": jnp.zeros(10, jnp.int32), "flag": jnp.zeros(2, bool)},
+    }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            resumed = CheckpointManager(directory).resume(target)
+            out = {"step": None if resumed is None else resumed[0]}
+        except Exception as e:
+            out = {"error": type(e).__name__, "message": str(e)}
+    print(json.dumps({**out, "warnings": [str(w.message) for w in caught]}))
+
+
 if __name__ == "__main__":
     jax.config.update("jax_num_cpu_devices", 1)
     mode, directory = sys.argv[1:]
@@ -77,5 +96,6 @@ if __name__ == "__main__":
         "die-deleting": die_deleting,
         "hold": hold,
         "save-forever": save_forever,
+        "resume": resume,
     }
     modes[mode](directory)

@@ -25,7 +25,15 @@
                                    `raise_exit0` (raise SystemExit(0)), `os_exit0`
                                    (os._exit(0)), `spin` (a busy Python loop), `sleep`
                                    or `freeze` (SIGSTOP: not even JAX's heartbeats go on);
-                                   `none`: no fault, all stop after 10 s, exit 0
+                                   `none`: no fault, all stop after 10 s, exit 0;
+                                   `first_call` (not at step 5): the first step waits in a
+                                   host callback for 600 s (on the process JAX runs it on)
+    launch_worker.py batches HOW   join the others and train 6 steps with a TrainStep, printing
+                                   each loss: `first`, worker 0 passes 4 rows a step and
+                                   worker 1 8; `later`, both 8, worker 1 16 from step 3 on
+    launch_worker.py jit FAULT     join the others and loop over a plain `jax.jit` all-reduce
+                                   (no TrainStep, no output); at iteration 5 worker 1 does
+                                   FAULT as `steps` has it
 
 Every worker first prints `pid=<its pid>`, so a test can find (and clean up) each process.
 """
@@ -68,6 +76,44 @@ def _faults(fault: str) -> None:
 
 def _train_until_fault(rank: int, fault: str) -> None:
     """Train with a TrainStep (no output per step) until worker 1's fault at step 5."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import fleetjax
+
+    _joined(rank)
+
+    def stall() -> None:  # JAX runs it on one process: its step never ends, nor the others'
+        print(f"fault at {time.time()}", flush=True)
+        time.sleep(600)
+
+    def loss(params, batch):
+        if fault == "first_call":  # every process compiles the same program
+            jax.debug.callback(stall)
+        return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+
+    step = fleetjax.make_train_step(loss, optax.sgd(0.01))
+    state = step.init({"w": jnp.zeros((4, 1))})
+    rows = {"x": np.ones((8, 4), np.float32), "y": np.ones((8, 1), np.float32)}
+    begin = time.monotonic()
+    for i in range(1_000_000):
+        if rank == 1 and i == 5 and fault not in ("none", "first_call"):
+            _faults(fault)
+        # All stop at the same step: every 64 steps, worker 0 says whether 10 s passed.
+        if fault == "none" and i % 64 == 0:
+            from jax.experimental import multihost_utils
+
+            late = np.int32(rank == 0 and time.monotonic() - begin > 10)
+            if multihost_utils.broadcast_one_to_all(late):
+                return
+        state, metrics = step(state, rows)
+        float(metrics["loss"])  # as a loop that logs would: each step waits for the last
+
+
+def _batches(rank: int, how: str) -> None:
+    """Train with batches of each process's own shapes (`how`: see the module docstring)."""
     import jax.numpy as jnp
     import numpy as np
     import optax
@@ -80,20 +126,30 @@ def _train_until_fault(rank: int, fault: str) -> None:
         optax.sgd(0.01),
     )
     state = step.init({"w": jnp.zeros((4, 1))})
-    rows = {"x": np.ones((8, 4), np.float32), "y": np.ones((8, 1), np.float32)}
-    begin = time.monotonic()
-    for i in range(1_000_000):
-        if rank == 1 and i == 5 and fault != "none":
-            _faults(fault)
-        # All stop at the same step: every 64 steps, worker 0 says whether 10 s passed.
-        if fault == "none" and i % 64 == 0:
-            from jax.experimental import multihost_utils
+    for i in range(6):
+        rows = 8 if how == "later" else 4 * (rank + 1)
+        rows = 16 if how == "later" and rank == 1 and i >= 2 else rows
+        print(f"step {i + 1}: {rows} rows at {time.time()}", flush=True)
+        batch = {"x": np.ones((rows, 4), np.float32), "y": np.ones((rows, 1), np.float32)}
+        state, metrics = step(state, batch)
+        print(f"step {i + 1}: loss {float(metrics['loss'])}", flush=True)
 
-            late = np.int32(rank == 0 and time.monotonic() - begin > 10)
-            if multihost_utils.broadcast_one_to_all(late):
-                return
-        state, metrics = step(state, rows)
-        float(metrics["loss"])  # as a loop that logs would: each step waits for the last
+
+def _jit_until_fault(rank: int, fault: str) -> None:
+    """A loop of plain `jax.jit` all-reduces over every process's devices until worker 1's
+    fault at iteration 5."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    _joined(rank)
+    mesh = jax.make_mesh((jax.device_count(),), ("d",))
+    x = jax.device_put(jnp.ones(jax.device_count()), NamedSharding(mesh, PartitionSpec("d")))
+    total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, PartitionSpec()))
+    for i in range(1_000_000):
+        if rank == 1 and i == 5:
+            _faults(fault)
+        total(x + i).block_until_ready()
 
 
 def _wait_until_all_started() -> None:
@@ -173,8 +229,20 @@ def main(mode: str, args: list[str]) -> int:
                 print(f"line {i}", flush=True)
                 time.sleep(2 / int(args[0]))
         return 0
+    if mode == "gloo":  # Gloo's line for a communicator, in two writes, around the script's
+        for text in ("before\n", "[Gl", "oo] Rank 0 is connected to 1 peer ranks\n", "50%\r"):
+            print(text, end="", flush=True)
+            time.sleep(0.3)
+        print("100%\ndone", flush=True)
+        return 0
     if mode == "steps":
         _train_until_fault(rank, args[0])
+        return 0
+    if mode == "jit":
+        _jit_until_fault(rank, args[0])
+        return 0
+    if mode == "batches":
+        _batches(rank, args[0])
         return 0
     raise ValueError(f"unknown mode {mode!r}")
 

@@ -76,13 +76,17 @@ def _kill_left_over(procs: list[tuple[subprocess.Popen, pathlib.Path]]) -> None:
 
 @pytest.fixture
 def launcher(tmp_path):
-    """Start `python -m fleetjax.launch ARGS` (its stdout and stderr piped, text); whatever
-    happens, kill it and every process its workers logged afterwards."""
+    """Start `python -m fleetjax.launch ARGS` (after `prefix`, a command that runs it; its
+    stdout and stderr piped, text); whatever happens, kill it and every process its workers
+    logged afterwards."""
     started = []
 
-    def start(*args: str, log_dir: pathlib.Path | None = None, **popen) -> subprocess.Popen:
+    def start(
+        *args: str, log_dir: pathlib.Path | None = None, prefix: tuple[str, ...] = (), **popen
+    ) -> subprocess.Popen:
         log_dir = log_dir or tmp_path / "log"
-        command = [sys.executable, "-m", "fleetjax.launch", "--log_dir", str(log_dir), *args]
+        command = [*prefix, sys.executable, "-m", "fleetjax.launch", "--log_dir", str(log_dir)]
+        command += args
         popen = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **popen}
         proc = subprocess.Popen(command, env=ENV, **popen)
         started.append((proc, log_dir))

@@ -471,7 +471,7 @@ DISTRIBUTED_STRATEGY = message(
             bool,
             False,
             kind="not yet",
-            doc="Automatic parallel search is not implemented.",
+            doc="Raises, pointing to `fleetjax.auto.search` (the search is a call).",
         ),
         field(38, "heter_ccl_mode", bool, False, note=PS),
         field(39, "is_fl_ps_mode", bool, False, note=PS),

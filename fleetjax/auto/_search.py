@@ -43,6 +43,7 @@ import numpy as np
 import optax
 
 from fleetjax import targets
+from fleetjax._chain import Signature, checked_output
 from fleetjax.auto._isolated import Compiled, CompileFailed, Compiler
 from fleetjax.auto._layouts import (
     Layout,
@@ -75,6 +76,7 @@ from fleetjax.cost import (
 )
 from fleetjax.distributed_optimizer import DistributedOptimizer
 from fleetjax.layers import partition_specs
+from fleetjax.mesh import simulation_hint
 from fleetjax.plan import mesh_for, read_plan
 from fleetjax.step import TrainStep, make_train_step
 from fleetjax.strategy import DistributedStrategy
@@ -128,7 +130,12 @@ class _Planner:
     def flops(self) -> float:
         """The model's matmul flops per device split evenly over all devices (traced)."""
         key = (jax.eval_shape(lambda: jax.random.key(0)),) if self.step_options["has_rng"] else ()
-        grad = jax.value_and_grad(self.loss_fn, has_aux=self.step_options["has_aux"])
+        signature = Signature(self.step_options["has_aux"], self.step_options["has_rng"], False)
+
+        def loss(*args: Any) -> Any:  # what a step would say of a loss that is no scalar
+            return checked_output(self.loss_fn(*args), signature)
+
+        grad = jax.value_and_grad(loss, has_aux=self.step_options["has_aux"])
         return model_flops(grad, self.params, self.batch, *key) / len(self.devices)
 
     def add(self, layout: Layout | None, strategy: Any, status: str, **kw: Any) -> Candidate:
@@ -557,7 +564,7 @@ def search(
     done = tuple(planner.done)
     chosen = planner.best()
     if chosen is None:
-        raise ValueError(_nothing_fits(done, budget))
+        raise ValueError(_nothing_fits(done, budget, devices))
     return SearchResult(
         strategy=copy.deepcopy(chosen.strategy),
         chosen=chosen,
@@ -625,7 +632,14 @@ def _layouts_to_search(planner: _Planner, fixed: Mapping[str, int], mp_ok: bool)
     return found
 
 
-def _nothing_fits(candidates: Sequence[Candidate], budget: int) -> str:
+# Below this many CPU devices, a search that fits nothing says how to simulate this many: the
+# count the docs, examples and notebooks simulate.
+SIMULATED_DEVICES = 8
+
+
+def _nothing_fits(
+    candidates: Sequence[Candidate], budget: int, devices: Sequence[jax.Device]
+) -> str:
     sized = [c for c in candidates if c.device_bytes is not None or c.formula_bytes is not None]
     if not sized:
         return "no candidate could apply:\n" + table(candidates, None)
@@ -637,8 +651,13 @@ def _nothing_fits(candidates: Sequence[Candidate], budget: int) -> str:
         if smallest.device_bytes is not None
         else f"at least {bytes_text(smallest.formula_bytes)} (its state and gradients)"
     )
+    more = simulation_hint(devices, SIMULATED_DEVICES)
+    if more:
+        count = f"{len(devices)} CPU device" + ("s" if len(devices) > 1 else "")
+        more = f" The search had {count}, and more devices hold less each. {more}."
     return (
         f"no candidate fits the memory budget of {bytes_text(budget)} ({budget} bytes) per device: "
         f"the smallest, #{smallest.index} {name(smallest)}, needs {needs} per device. Raise "
-        "memory_budget, use more devices, or shrink the model or batch.\n" + table(candidates, None)
+        f"memory_budget, use more devices, or shrink the model or batch.{more}\n"
+        + table(candidates, None)
     )

@@ -145,7 +145,7 @@ class Fleet(DygraphCalls, Saving, ParameterServerCalls):
             raise TypeError(
                 "strategy must be a fleetjax.DistributedStrategy or fleetjax.Strategy, "
                 f"got {type(strategy).__name__} (a fleet.auto.Strategy converts with "
-                "fleetjax.Strategy()._from_legacy_strategy(strategy))"
+                "fleetjax.Strategy(strategy))"
             )
         # First: anything below may start JAX's backend (a role maker asking jax for the
         # process index, the mesh), and XLA reads XLA_FLAGS only then.

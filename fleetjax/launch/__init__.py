@@ -41,11 +41,14 @@ Faults (the first failure is named, with its code, whatever the others do afterw
     fleetjax/_worker.py, which records how it ended before Python's exit handlers, so a
     `sys.exit(3)` while the others wait in a collective is named at once (JAX's shutdown
     barrier would hold that worker for 5 minutes); a joined worker that leaves by
-    `os._exit(0)` while the others run is a failure too (exit code 1).
-  * Hangs: a worker that neither writes to its log, runs a `TrainStep`, nor calls
-    `heartbeat()` for `--heartbeat_timeout` seconds (default `DEFAULT_HEARTBEAT_TIMEOUT`; 0:
-    never) is taken as hung: of the silent workers, the one with the fewest steps (the others
-    wait for it in a collective); exit code 124.
+    `os._exit(0)` while the others run is a failure too (exit code 1), and so is one that ends
+    its script with code 0 after fewer `TrainStep` calls than the others, who then wait for it
+    (named 5 s later).
+  * Hangs: a worker that neither writes to its log, runs a `TrainStep` (or compiles its first
+    call), imports, nor calls `heartbeat()` for `--heartbeat_timeout` seconds (default
+    `DEFAULT_HEARTBEAT_TIMEOUT`; 0: never) is taken as hung. Every worker's Python stacks go
+    into its log, and the one named is the one the others wait for: one that runs its own code
+    rather than waits in JAX, then the one with the fewest steps; exit code 124.
   * Another node: a worker of it fails (named on every node), its launcher dies, or it says
     nothing for `--peer_timeout` seconds (a lost link or node, `DEFAULT_PEER_TIMEOUT`): the
     job stops on every node with the same message and exit code (124 for a lost node). A node

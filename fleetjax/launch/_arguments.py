@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
+import functools
+import logging
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from fleetjax import _worker
 
@@ -20,6 +23,10 @@ DEFAULT_PEER_TIMEOUT = 4.0
 DEFAULT_JOIN_TIMEOUT = float(_worker.JOIN_TIMEOUT_SECONDS)  # JAX's initialization timeout
 DEFAULT_ELASTIC_TIMEOUT = 30.0  # Paddle's --elastic_timeout
 PADDLE_MAX_RESTART = 3  # Paddle's --max_restart, which Paddle applies with --elastic_level >= 1
+# Paddle's --run_mode values that fleetjax-run runs (the options say which one when it is not
+# given: a parameter-server option makes it "ps", as in Paddle).
+RUN_MODES = ("collective", "ps")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 class LaunchError(Exception):
@@ -27,8 +34,31 @@ class LaunchError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
+    """An option is named in full (no prefixes), and a mistyped one is an error that says which
+    was meant."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(allow_abbrev=False, **kwargs)
+
     def error(self, message: str) -> NoReturn:
         raise LaunchError(message)  # one line, as every other usage error
+
+    def parse_options(self, argv: Sequence[str] | None) -> argparse.Namespace:
+        args, unknown = self.parse_known_args(argv)
+        if unknown:  # options before the script (after it, they are the script's)
+            option = unknown[0].partition("=")[0]
+            known = [o for action in self._actions for o in action.option_strings]
+            close = difflib.get_close_matches(option, known, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise LaunchError(f"unknown option {option}{hint}; fleetjax-run --help lists them")
+        return args
+
+
+def _option(container: Any, *names: str, **kwargs: Any) -> None:
+    """`container.add_argument` of Paddle's option `names`, each also with dashes
+    (`--nproc-per-node`), as torchrun spells them."""
+    dashed = [name.replace("_", "-") for name in names if "_" in name]
+    container.add_argument(*names, *dashed, **kwargs)
 
 
 def _seconds(text: str) -> float:
@@ -48,7 +78,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         prog="fleetjax-run",
         description="Start a training script on several processes (Paddle's fleetrun).",
     )
-    add = parser.add_argument
+    add = functools.partial(_option, parser)
     add(
         "--ips",
         help="comma-separated addresses of the nodes, the coordinator's first "
@@ -97,15 +127,31 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="worker i's endpoint port is start_port + i; the first worker's is the JAX "
         f"coordinator's (default: {DEFAULT_START_PORT})",
     )
+    add(
+        "--run_mode",
+        choices=RUN_MODES,
+        help="Paddle's: collective, or ps (parameter server) as --server_num, --servers, "
+        "--trainer_num or --workers imply (default: as the options imply)",
+    )
+    add(
+        "--log_level",
+        type=str.upper,
+        default="INFO",
+        choices=LOG_LEVELS,
+        help="the launcher's own lines shown: INFO (default, Paddle's) adds its progress to "
+        "warnings and errors; worker output is not filtered",
+    )
     _add_fault_options(parser)
-    add("training_script", nargs="?", help="the script each process runs")
-    add("training_script_args", nargs=argparse.REMAINDER)
-    return parser.parse_args(argv)
+    parser.add_argument("training_script", nargs="?", help="the script each process runs")
+    parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
+    args = parser.parse_options(argv)
+    args.log_level = logging.getLevelName(args.log_level)
+    return args
 
 
 def _add_fault_options(parser: argparse.ArgumentParser) -> None:
     """The options for faults and restarts, and Paddle's parameter-server options."""
-    add = parser.add_argument
+    add = functools.partial(_option, parser)
     add(
         "--heartbeat_timeout",
         type=_seconds,
@@ -132,13 +178,15 @@ def _add_fault_options(parser: argparse.ArgumentParser) -> None:
         f"(default: {DEFAULT_JOIN_TIMEOUT:g})",
     )
     elastic = parser.add_argument_group("restarts and elastic nodes (Paddle's)")
-    elastic.add_argument(
+    _option(
+        elastic,
         "--max_restart",
         type=int,
         help="restart the whole job after a failure up to this many times (default: 0; 3, "
         "Paddle's, with --elastic_level 1 or 2 or --nnodes min:max)",
     )
-    elastic.add_argument(
+    _option(
+        elastic,
         "--elastic_level",
         type=int,
         default=-1,
@@ -146,7 +194,8 @@ def _add_fault_options(parser: argparse.ArgumentParser) -> None:
         help="-1/0: no restarts (Paddle's default -1); 1 or 2: restart after a failure (3 "
         "times unless --max_restart says otherwise); fewer nodes take --nnodes min:max",
     )
-    elastic.add_argument(
+    _option(
+        elastic,
         "--elastic_timeout",
         type=_seconds,
         default=DEFAULT_ELASTIC_TIMEOUT,
@@ -155,13 +204,22 @@ def _add_fault_options(parser: argparse.ArgumentParser) -> None:
         f"(default: {DEFAULT_ELASTIC_TIMEOUT:g}, Paddle's)",
     )
     ps = parser.add_argument_group("parameter-server jobs (Paddle's)")
-    ps.add_argument("--server_num", type=int, help="parameter servers on this node")
-    ps.add_argument("--servers", help="comma-separated ip:port of every parameter server")
-    ps.add_argument(
-        "--trainer_num", "--worker_num", dest="trainer_num", type=int, help="trainers on this node"
+    _option(ps, "--server_num", type=int, help="parameter servers on this node")
+    _option(ps, "--servers", help="comma-separated ip:port of every parameter server")
+    _option(
+        ps,
+        "--trainer_num",
+        "--worker_num",
+        dest="trainer_num",
+        type=int,
+        help="trainers on this node",
     )
-    ps.add_argument(
-        "--workers", "--trainers", dest="workers", help="comma-separated ip:port of every trainer"
+    _option(
+        ps,
+        "--workers",
+        "--trainers",
+        dest="workers",
+        help="comma-separated ip:port of every trainer",
     )
 
 

@@ -17,7 +17,7 @@ from fleetjax.launch._machine import (
     join_timeouts,
     selected_gpus,
 )
-from fleetjax.launch._parameter_server import PS_OPTIONS, plan_parameter_server
+from fleetjax.launch._parameter_server import is_parameter_server, plan_parameter_server
 from fleetjax.launch._supervise import Worker
 
 
@@ -53,7 +53,8 @@ def node_count(text: str | None, master: bool) -> tuple[int, int] | None:
     least, sep, most = text.partition(":")
     if not sep:
         most = least
-    if not (least.isdigit() and most.isdigit()) or not 1 <= int(least) <= int(most):
+    numbers = f"{least}{most}".isascii() and least.isdigit() and most.isdigit()  # not '²'
+    if not numbers or not 1 <= int(least) <= int(most):
         raise LaunchError(
             f"--nnodes must be a number of nodes (at least 1) or a range min:max, got {text!r}"
         )
@@ -218,7 +219,7 @@ def plan_workers(
         nodes meet at `--master` (their endpoints are known once they met).
     """
     environ = os.environ if environ is None else environ
-    if any(getattr(args, name) is not None for name in PS_OPTIONS):
+    if is_parameter_server(args):
         return plan_parameter_server(args, environ)
     nodes, this = where(args), layout(args, environ)
     if nodes.ips:

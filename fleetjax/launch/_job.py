@@ -22,6 +22,7 @@ a restart the hub meets the nodes again: with `--nnodes min:max`, the ones still
 from __future__ import annotations
 
 import dataclasses
+import logging
 import pathlib
 import queue
 import signal
@@ -143,7 +144,8 @@ class Job:
         started = f"workers {trainers[0]}..{trainers[-1]} of {world}" if trainers else "no workers"
         say(
             f"starting {started}{f' and {servers} parameter server(s)' if servers else ''}; "
-            f"logs in {options.log_dir}/workerlog.N{', serverlog.N' if servers else ''}"
+            f"logs in {options.log_dir}/workerlog.N{', serverlog.N' if servers else ''}",
+            logging.INFO,
         )
         self.attempt = Attempt(
             workers,
@@ -185,7 +187,7 @@ class Job:
             return False
         self.number += 1
         say(f"restarting the job: restart {self.number} of {self.options.max_restart} "
-            "(--max_restart)")  # fmt: skip
+            "(--max_restart)", logging.WARNING)  # fmt: skip
         return True
 
     def stop_from_outside(self, signum: int) -> None:

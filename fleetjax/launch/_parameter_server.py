@@ -19,9 +19,32 @@ from fleetjax.launch._supervise import Worker
 PS_OPTIONS = ("server_num", "servers", "trainer_num", "workers")
 
 
+def is_parameter_server(args: argparse.Namespace) -> bool:
+    """Whether the job is a parameter-server one: Paddle's `--run_mode ps`, or any of its
+    options (`PS_OPTIONS`) without a `--run_mode`.
+
+    Raises:
+      LaunchError: for a `--run_mode` the options contradict.
+    """
+    given = [f"--{name}" for name in PS_OPTIONS if getattr(args, name) is not None]
+    if args.run_mode == "collective" and given:
+        raise LaunchError(
+            f"--run_mode collective, but {', '.join(given)} "
+            + ("is an option" if len(given) == 1 else "are options")
+            + " of a parameter-server job (Paddle's --run_mode ps); leave them out, or give "
+            "--run_mode ps"
+        )
+    if args.run_mode == "ps" and not given:
+        raise LaunchError(
+            "--run_mode ps needs the job's servers and trainers: --server_num N and "
+            "--trainer_num M on this node (or --servers and --workers, lists of ip:port)"
+        )
+    return bool(given)
+
+
 def _ps_endpoint(text: str, option: str) -> str:
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise LaunchError(f"{option}: {text!r} is not an endpoint of the form ip:port")
     return f"{host}:{int(port)}"
 
@@ -40,9 +63,9 @@ def ps_endpoints(listed: str | None, count: int | None, what: str, first_port: i
             raise LaunchError(f"{option} {listed} repeats an endpoint")
         return endpoints
     if count is None or count < 1:
+        got = f"; got {count_option} {count}" if count is not None else ""
         raise LaunchError(
-            f"a parameter-server job needs {count_option} (at least 1) or {option}; got "
-            f"{count_option} {count}"
+            f"a parameter-server job needs {count_option} (at least 1) or {option}{got}"
         )
     return [f"127.0.0.1:{first_port + i}" for i in range(count)]
 
@@ -56,6 +79,8 @@ def plan_parameter_server(args: argparse.Namespace, environ: Mapping[str, str]) 
                 f"--{option} is for collective jobs; a parameter-server job's processes are "
                 "given by --server_num/--servers and --trainer_num/--workers"
             )
+    if args.servers is None and args.server_num is None:
+        raise LaunchError(_trainers_alone(args))
     servers = ps_endpoints(args.servers, args.server_num, "server", args.start_port)
     trainers = ps_endpoints(
         args.workers, args.trainer_num, "trainer", args.start_port + len(servers)
@@ -92,3 +117,16 @@ def plan_parameter_server(args: argparse.Namespace, environ: Mapping[str, str]) 
         env["JAX_PLATFORMS"] = "cpu"  # a server never takes an accelerator
         planned.append(Worker(index, len(mine) + local_rank, env, role="server"))
     return planned
+
+
+def _trainers_alone(args: argparse.Namespace) -> str:
+    """Trainers without servers: what the user probably meant, collective or parameter-server."""
+    if args.trainer_num is not None:
+        given, count = f"--trainer_num (--worker_num) {args.trainer_num}", args.trainer_num
+    else:
+        given, count = f"--workers {args.workers}", len(split_list(args.workers, "--workers"))
+    return (
+        f"{given} without servers: a parameter-server job (Paddle's --run_mode ps) also needs "
+        "its servers, --server_num N on this node or --servers ip:port,...; for a collective "
+        f"job of {count} processes on this node, give --nproc_per_node {count} instead"
+    )

@@ -39,7 +39,13 @@ def parse_master(text: str) -> tuple[str, int]:
     address = text.removeprefix("http://")
     host, sep, port = address.rpartition(":")
     host = host.removeprefix("[").removesuffix("]")
-    if "://" in address or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if (
+        "://" in address
+        or not sep
+        or not host
+        or not (port.isascii() and port.isdigit())
+        or not 0 < int(port) < 65536
+    ):
         raise RendezvousError(
             f"--master {text!r} is not an address of the form host:port (or http://host:port)"
         )

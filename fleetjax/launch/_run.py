@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import logging
 import os
 import pathlib
 import shutil
@@ -18,8 +19,8 @@ from fleetjax.launch import _job, _rendezvous
 from fleetjax.launch._arguments import PADDLE_MAX_RESTART, LaunchError, parse_args
 from fleetjax.launch._collective import Nodes, collective_workers, layout, where
 from fleetjax.launch._machine import check_port_free
-from fleetjax.launch._parameter_server import PS_OPTIONS, plan_parameter_server
-from fleetjax.launch._supervise import say
+from fleetjax.launch._parameter_server import is_parameter_server, plan_parameter_server
+from fleetjax.launch._supervise import LOG, say
 
 
 def _checked_paths(args: argparse.Namespace) -> pathlib.Path:
@@ -120,7 +121,7 @@ def _prepare(
     Raises:
       LaunchError: for options that do not fit together, or a busy coordinator port.
     """
-    if any(getattr(args, name) is not None for name in PS_OPTIONS):
+    if is_parameter_server(args):
         workers = plan_parameter_server(args, environ)
         options = _options(args, log_dir, Nodes())
         return options, lambda nodes, rank: workers, lambda job: job.run_alone([[]])
@@ -144,6 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if sys.platform != "linux":
             raise LaunchError("fleetjax-run runs on Linux only (it relies on /proc and prctl)")
         args = parse_args(argv)
+        LOG.setLevel(args.log_level)
         if args.training_script is None:
             raise LaunchError("no training script: fleetjax-run [options] train.py [its arguments]")
         options, planner, run_job = _prepare(args, pathlib.Path(args.log_dir), os.environ)
@@ -163,7 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         name = signal.Signals(stop.signum).name
         say(
             f"got {name}"
-            + ("; stopping all workers" if job.attempt else " before any worker started")
+            + ("; stopping all workers" if job.attempt else " before any worker started"),
+            logging.WARNING,
         )
         job.stop_from_outside(stop.signum)
         return 128 + stop.signum

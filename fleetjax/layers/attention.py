@@ -94,7 +94,7 @@ def attention(
     module docstring says.
 
     Args:
-      q, k, v: the queries, keys and values (the same shapes).
+      q, k, v: the queries, keys and values (the same shapes and dtypes).
       is_causal: each position attends to itself and those before it only.
       load_balanced: under ``cp``, whether the sequence is already in `to_load_balanced`'s
         order (else it is reordered here, and the output back).
@@ -105,6 +105,7 @@ def attention(
         GPUs keeps none).
 
     Raises:
+      TypeError: for q, k and v of different dtypes (outside AMP, which casts them to one).
       ValueError: for an `implementation` not in `IMPLEMENTATIONS`, shapes that differ, a
         length that the sequence axes do not divide (``sep`` x ``cp``, or ``sep`` x 2 ``cp``
         under ``cp``), or heads that ``mp`` x ``sep`` do not divide under ``sep``.
@@ -113,6 +114,12 @@ def attention(
         raise ValueError(
             "attention takes q, k and v of one shape [batch, length, heads, head_dim], got "
             f"{q.shape}, {k.shape}, {v.shape}"
+        )
+    half = traced_dtype("dot_general")  # under AMP all three are cast to it below
+    if half is None and not q.dtype == k.dtype == v.dtype:
+        raise TypeError(
+            f"attention takes q, k and v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}: "
+            "cast them to one (else each mesh's split would promote them its own way)"
         )
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
@@ -123,7 +130,6 @@ def attention(
     if sep > 1:
         _check_heads(q.shape[2], sep * axis_ways("mp"))
     # Custom-gradient functions run as traced under AMP: cast here as the policy casts matmuls.
-    half = traced_dtype("dot_general")
     q, k, v = (constrain(x if half is None else x.astype(half), HEADS) for x in (q, k, v))
     if sep > 1:
         q, k, v = (constrain(x, ULYSSES) for x in (q, k, v))

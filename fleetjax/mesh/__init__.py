@@ -5,6 +5,7 @@ and the placement rules on it."""
 from fleetjax.mesh._mesh import (
     build_mesh,
     check_order,
+    simulation_hint,
 )
 from fleetjax.mesh._rules import (
     ZERO_MIN_ELEMENTS,
@@ -25,6 +26,7 @@ __all__ = [
     "batch_sharding",
     "build_mesh",
     "check_order",
+    "simulation_hint",
     "constrain",
     "data_axes",
     "data_parallel_size",

@@ -55,16 +55,21 @@ def _checked_devices(devices: Sequence[jax.Device] | None) -> list[jax.Device]:
     return devices
 
 
-def _simulation_hint(devices: Sequence[jax.Device], needed: int) -> str:
-    """On CPU, how to simulate more devices (a laptop has one)."""
+def simulation_hint(devices: Sequence[jax.Device], needed: int) -> str:
+    """How to simulate `needed` CPU devices, where `devices` are fewer CPU devices (a laptop
+    has one); "" otherwise. A sentence that error messages append."""
     if len(devices) >= needed or devices[0].platform != "cpu":
         return ""
     return (
-        f". To simulate {needed} CPU devices, set JAX_NUM_CPU_DEVICES={needed} (or "
+        f"To simulate {needed} CPU devices, set JAX_NUM_CPU_DEVICES={needed} (or "
         f"XLA_FLAGS=--xla_force_host_platform_device_count={needed}) before JAX starts, e.g. "
         f"as the first lines of the script: import os; "
         f"os.environ['JAX_NUM_CPU_DEVICES'] = '{needed}'"
     )
+
+
+def _sentence(hint: str) -> str:
+    return f". {hint}" if hint else ""
 
 
 def build_mesh(
@@ -117,6 +122,7 @@ def build_mesh(
                 f"cannot infer dp: {len(devices)} devices are not divisible by "
                 f"{' x '.join(a for a in shown if a != 'dp')} = "
                 f"{' x '.join(str(degrees[a]) for a in shown if a != 'dp')} = {others}"
+                + _sentence(simulation_hint(devices, others))
             )
         degrees["dp"] = len(devices) // others
     total = math.prod(degrees.values())
@@ -126,7 +132,7 @@ def build_mesh(
             + " = "
             + " x ".join(str(degrees[a]) for a in shown)
             + f" = {total}, but there are {len(devices)} devices"
-            + _simulation_hint(devices, total)
+            + _sentence(simulation_hint(devices, total))
         )
     optional = tuple(a for a in AXES if a not in REQUIRED_AXES and degrees[a] > 1)
     names = check_order(order if order is not None else MESH_ORDER, optional)

@@ -46,7 +46,6 @@ _NOT_YET_DISTRIBUTED = {
     "asp": "2:4 structured sparsity (ASP)",
     "qat": "quantization-aware training",
     "semi_auto": "semi-automatic parallelism",
-    "auto_search": "automatic parallel search",
 }
 
 # Switches the `auto` planner decides (or that replace data parallelism's gradient all-reduce),
@@ -149,6 +148,15 @@ def _check_supported(s: DistributedStrategy) -> None:
     for name, what in _NOT_YET_DISTRIBUTED.items():
         if getattr(s, name):
             raise _unsupported(what, f"DistributedStrategy.{name}=True")
+    if s.auto_search:
+        raise NotImplementedError(
+            "DistributedStrategy.auto_search=True: fleetjax's automatic parallel search is a "
+            "call, which needs the parameters and an example batch: "
+            "found = fleetjax.auto.search(loss_fn, optimizer, params, batch, strategy=strategy) "
+            "compiles candidate layouts under a memory budget and chooses one "
+            "(docs/auto.md); turn auto_search off and train with found.make_train_step() "
+            "or found.strategy"
+        )
     on = [name for name in PLANNED_SWITCHES if s.auto and getattr(s, name)]
     if on:
         raise ValueError(

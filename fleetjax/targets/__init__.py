@@ -2,7 +2,7 @@
 constants, and the flops and bytes of what XLA compiled for it.
 
 ```python
-# JAX_PLATFORMS=cpu in the environment; pip install 'fleetjax[aot]'
+# pip install -e '.[aot]' in fleetjax's clone; import fleetjax before JAX starts
 from fleetjax import targets
 
 mesh = targets.mesh("h100", 64, sharding=8, mp=8)  # 8 hosts of 8 H100s
@@ -23,7 +23,13 @@ See docs/gpu_targets.md.
 from fleetjax.cost import Cost, cost_analysis
 from fleetjax.targets._formula import Megatron
 from fleetjax.targets._gpus import TARGETS, GpuSpec, Target, device_spec, get, of
-from fleetjax.targets._topology import cudnn_version, devices, mesh, plugin_installed
+from fleetjax.targets._topology import (
+    compile_only_without_a_driver,
+    cudnn_version,
+    devices,
+    mesh,
+    plugin_installed,
+)
 
 __all__ = [
     "TARGETS",
@@ -31,6 +37,7 @@ __all__ = [
     "GpuSpec",
     "Megatron",
     "Target",
+    "compile_only_without_a_driver",
     "cost_analysis",
     "cudnn_version",
     "device_spec",

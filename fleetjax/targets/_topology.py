@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib
 import importlib.util
@@ -101,6 +102,33 @@ def plugin_installed() -> bool:
         return False
 
 
+def compile_only_without_a_driver() -> bool:
+    """Start JAX on the CPU where jax's CUDA plugin is installed but no NVIDIA driver is.
+
+    That is the ``aot`` extra (which the ``test`` extra includes) on a machine without GPUs:
+    the plugin can only compile there, and its check of the CUDA libraries, which JAX runs when
+    it starts its backends with CUDA among them, fails and logs a traceback as an ERROR. With
+    JAX's platforms set to ``"cpu"`` (what ``JAX_PLATFORMS=cpu`` does) the plugin skips that
+    check and still registers, so `devices` compiles for GPU targets and arrays live on the
+    CPU. `import fleetjax` calls it. It changes nothing where the platforms are chosen already
+    (``JAX_PLATFORMS`` or ``jax_platforms``), JAX's backends have started, no CUDA plugin is
+    installed, the driver (``libcuda.so.1``) loads, or ``libtpu`` is installed. Returns
+    whether it set them.
+    """
+    from jax._src import xla_bridge  # no public API says whether the backends have started
+
+    if jax.config.jax_platforms or xla_bridge.backends_are_initialized():
+        return False
+    if not plugin_installed() or importlib.util.find_spec("libtpu") is not None:
+        return False
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        jax.config.update("jax_platforms", "cpu")
+        return True
+    return False
+
+
 def cudnn_version() -> int | None:
     """The cuDNN version jax's CUDA plugin loads (92801 for 9.28.1), or None without one.
 
@@ -125,12 +153,14 @@ def _no_plugin_message() -> str:
     if not plugin_installed():
         return (
             "compiling for a GPU target needs jax's CUDA plugin, which is not installed: "
-            "pip install 'fleetjax[aot]' (jax-cuda13-plugin and jax-cuda13-pjrt at the installed "
-            f"jax version, {jax.__version__}; no CUDA libraries are needed)"
+            "pip install -e '.[aot]' in fleetjax's clone, or pip install "
+            f"'jax[cuda13-local]=={jax.__version__}' (jax-cuda13-plugin and jax-cuda13-pjrt at "
+            "the installed jax version; no CUDA libraries are needed)"
         )
     return (
         "jax's CUDA plugin is installed but did not register: without a GPU its CUDA-library "
-        "check fails unless JAX leaves CUDA out of its backends. Set JAX_PLATFORMS=cpu before "
-        f"JAX starts (now {jax.config.jax_platforms!r}); JAX then runs on the CPU and compiles "
-        "for the GPU target. The plugin's own error is in JAX's log above."
+        "check fails unless JAX leaves CUDA out of its backends. Import fleetjax before JAX "
+        "starts its backends (it leaves CUDA out where no NVIDIA driver is), or set "
+        f"JAX_PLATFORMS=cpu before JAX starts (now {jax.config.jax_platforms!r}); JAX then runs "
+        "on the CPU and compiles for the GPU target. The plugin's own error is in JAX's log above."
     )

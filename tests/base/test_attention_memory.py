@@ -97,3 +97,15 @@ def test_an_unknown_implementation_is_named():
     message = r"implementation must be one of \(None, 'xla', 'cudnn'\), got 'flash'"
     with pytest.raises(ValueError, match=message):
         attention(q, q, q, implementation="flash")
+
+
+def test_mixed_dtypes_are_refused_outside_amp_and_cast_alike_under_it():
+    # A bfloat16 q and float32 k, v: the dtype of the output depended on the mesh's split.
+    q = normal(0, (BATCH, LENGTH, HEADS, HEAD_DIM)).astype(jnp.bfloat16)
+    kv = normal(1, (BATCH, LENGTH, HEADS, HEAD_DIM))
+    message = r"^attention takes q, k and v of one dtype, got bfloat16, float32, float32: cast"
+    with pytest.raises(TypeError, match=message):
+        attention(q, kv, kv)
+    # Under AMP the policy casts all three to its half dtype, whatever they were.
+    out = amp.autocast(attention, amp.policy("bfloat16", "O1"))(q, kv, kv)
+    assert out.dtype == jnp.bfloat16

@@ -1,6 +1,6 @@
 """fleetjax.checkpoint under faults: damaged files, foreign folders, bad step numbers, two
-writers, kills during a deletion, a failing background save, and (slow) a loop of kills at
-random moments of saving."""
+writers, kills during a deletion, a failing background save, resuming from damaged, unreadable
+or no intact checkpoints, and (slow) a loop of kills at random moments of saving."""
 
 import json
 import os
@@ -20,11 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from checkpoint_worker import value
-from read_only import read_only
+from read_only import read_only, unreadable, unreadable_by
 
 from fleetjax.checkpoint import (
     CheckpointManager,
     CorruptCheckpointError,
+    UnreadableCheckpointError,
     load_persistables,
     save_persistables,
 )
@@ -233,6 +234,87 @@ def test_no_intact_checkpoint(tmp_path):
         manager.restore_latest_intact(state_of(0))
     with pytest.raises(FileNotFoundError, match=r"complete checkpoints: none"):
         CheckpointManager(tmp_path / "empty", read_only=True).restore_latest_intact(state_of(0))
+
+
+# -- resuming ----------------------------------------------------------------------------------
+def test_resume_gives_the_newest_intact_step_or_none_for_a_fresh_start(three_steps, tmp_path):
+    with CheckpointManager(tmp_path / "new") as manager:
+        assert manager.resume(state_of(0)) is None
+    flip_16_bytes(largest_file(three_steps / "3" / "state"))
+    with (
+        CheckpointManager(three_steps) as manager,
+        pytest.warns(RuntimeWarning, match=r"^skipping checkpoint 3: .*; moved to "),
+    ):
+        step, state, extra = manager.resume(state_of(0))
+    assert (step, extra) == (2, {"data_position": 20})
+    assert_same(state, state_of(2))
+
+
+def test_an_unreadable_step_is_an_error_and_nothing_is_moved(three_steps):
+    # Files that cannot be read for a while (permissions here; a network file system's hiccup)
+    # are no proof of damage (before: set aside as corrupt, every step of them).
+    files = [p for step in ("2", "3") for p in (three_steps / step).rglob("*") if p.is_file()]
+    listed = sorted(os.listdir(three_steps))
+    with unreadable(files):
+        command = unreadable_by([*WORKER, "resume", str(three_steps)])
+        run = subprocess.run(command, env=ENV, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    resumed = json.loads(run.stdout.splitlines()[-1])
+    manifest = three_steps / "3" / "fleetjax" / "manifest.json"
+    assert resumed == {
+        "error": "UnreadableCheckpointError",
+        "message": f"checkpoint 3 in {three_steps} cannot be read: its manifest {manifest} cannot "
+        f"be read ([Errno 13] Permission denied: '{manifest}'). That is no proof of damage, so "
+        "nothing was set aside: make it readable and restore again (if it is damaged, move "
+        f"{three_steps / '3'} out of the directory)",
+        "warnings": [],
+    }
+    assert sorted(os.listdir(three_steps)) == listed
+    with CheckpointManager(three_steps) as manager:  # readable again: nothing was lost
+        assert manager.resume(state_of(0))[0] == 3
+
+
+def test_a_directory_that_links_to_nothing_is_no_fresh_start(tmp_path):
+    # A checkpoint directory on a mount that is not there: not a first run's empty directory.
+    (tmp_path / "ckpt").symlink_to(tmp_path / "mnt" / "ckpt")
+    message = rf"^checkpoint directory {tmp_path}/ckpt links to {tmp_path}/mnt/ckpt, which does "
+    for read_only_ in (False, True):
+        with pytest.raises(UnreadableCheckpointError, match=message + "not exist"):
+            CheckpointManager(tmp_path / "ckpt", read_only=read_only_)
+
+
+def test_no_intact_checkpoint_is_no_fresh_start_unless_asked(tmp_path):
+    with CheckpointManager(tmp_path, async_save=False) as manager:
+        manager.save(1, state_of(1))
+        manager.save(2, state_of(2))
+    for step in ("1", "2"):
+        flip_16_bytes(largest_file(tmp_path / step / "state"))
+    with CheckpointManager(tmp_path) as manager:
+        nothing = (
+            rf"^no intact checkpoint in {tmp_path}: checkpoint 2 .* \| checkpoint 1 .*; nothing "
+            r"to resume from: to train from step 0 here, pass CheckpointManager\(\.\.\., "
+            r"start_over=True\)$"
+        )
+        with pytest.warns(RuntimeWarning), pytest.raises(CorruptCheckpointError, match=nothing):
+            manager.resume(state_of(0))
+    aside = sorted(p.name for p in tmp_path.glob("corrupt-*"))
+    assert [name.split("-")[1] for name in aside] == ["1", "2"]
+    # The restart: nothing is listed, what was there is set aside (before: a fresh start).
+    message = (
+        f"no intact checkpoint in {tmp_path}: every one was set aside as damaged "
+        f"({', '.join(aside)}), so there is nothing to resume from; to train from step 0 here, "
+        "pass CheckpointManager(..., start_over=True) (or move those folders out)"
+    )
+    with pytest.raises(CorruptCheckpointError, match=f"^{re.escape(message)}$"):
+        CheckpointManager(tmp_path)
+    with pytest.raises(CorruptCheckpointError, match=f"^{re.escape(message)}$"):
+        CheckpointManager(tmp_path, read_only=True).resume(state_of(0))
+    with CheckpointManager(tmp_path, start_over=True, async_save=False) as manager:
+        with pytest.warns(UserWarning, match=re.escape(f"{message}; start_over=True: training")):
+            assert manager.resume(state_of(0)) is None
+        manager.save(1, state_of(1))
+    with CheckpointManager(tmp_path) as manager:  # trained on: a checkpoint again
+        assert manager.resume(state_of(0))[0] == 1
 
 
 def test_a_target_that_does_not_fit_is_not_skipped_as_corrupt(three_steps):

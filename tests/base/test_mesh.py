@@ -272,3 +272,11 @@ def test_too_few_cpu_devices_says_how_to_simulate_more():
     with pytest.raises(ValueError, match=r"there are 2 devices. To simulate 4 CPU devices, set "
                                          r"JAX_NUM_CPU_DEVICES=4"):  # fmt: skip
         build_mesh(dp=2, sharding=2, devices=jax.devices()[:2])
+    with pytest.raises(
+        ValueError,
+        match=r"^cannot infer dp: 2 devices are not divisible by sharding x pp x mp = 1 x 2 x 2 = "
+        r"4\. To simulate 4 CPU devices, set JAX_NUM_CPU_DEVICES=4 \(or XLA_FLAGS=",
+    ):
+        build_mesh(pp=2, mp=2, devices=jax.devices()[:2])
+    with pytest.raises(ValueError, match=r"^cannot infer dp: 8 devices .* = 3$"):  # 8 fill 3
+        build_mesh(mp=3)

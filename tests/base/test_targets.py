@@ -1,6 +1,7 @@
 """fleetjax.targets: compile-only GPU devices from jax's CUDA plugin, their roofline constants,
 and the flops and bytes of what XLA:GPU compiled."""
 
+import ctypes
 import functools
 import math
 import os
@@ -20,7 +21,7 @@ from fleetjax import targets
 
 needs_plugin = pytest.mark.skipif(
     not targets.plugin_installed(),
-    reason="jax's CUDA plugin is not installed: pip install 'fleetjax[aot]'",
+    reason="jax's CUDA plugin is not installed: pip install -e '.[aot]'",
 )
 ASYNC = re.compile(r"\b(all-gather|all-reduce|reduce-scatter)-start\(")
 
@@ -133,19 +134,43 @@ def test_a_missing_plugin_says_which_extra_to_install(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(
         "compiling for a GPU target needs jax's CUDA plugin, which is not installed: "
-        "pip install 'fleetjax[aot]' (jax-cuda13-plugin and jax-cuda13-pjrt at the installed "
-        f"jax version, {jax.__version__}; no CUDA libraries are needed)"
+        "pip install -e '.[aot]' in fleetjax's clone, or pip install "
+        f"'jax[cuda13-local]=={jax.__version__}' (jax-cuda13-plugin and jax-cuda13-pjrt at the "
+        "installed jax version; no CUDA libraries are needed)"
     )
+
+
+def _has_cuda_driver() -> bool:
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+@needs_plugin
+def test_without_a_driver_fleetjax_starts_jax_on_the_cpu_and_compiles_quietly():
+    """JAX_PLATFORMS unset, the plugin installed and no NVIDIA driver (the test extra on a
+    machine without GPUs): `import fleetjax` leaves CUDA out, so JAX logs no failed CUDA check
+    and the compile-only devices register."""
+    if _has_cuda_driver():
+        pytest.skip("this machine has an NVIDIA driver: JAX starts CUDA as it would")
+    done = _run(textwrap.dedent(REPORT_ERROR) + "import jax; print(jax.default_backend())")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "compiled\ncpu\n"
+    assert "ERROR" not in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
 @needs_plugin
 def test_a_plugin_that_did_not_register_says_to_leave_cuda_out():
-    done = _run(REPORT_ERROR)  # JAX_PLATFORMS unset: JAX tries CUDA, whose libraries are absent
+    """JAX started its backends before fleetjax was imported: the plugin's check ran and failed."""
+    if _has_cuda_driver():
+        pytest.skip("this machine has an NVIDIA driver: the plugin registers")
+    done = _run("import jax; jax.devices()\n" + textwrap.dedent(REPORT_ERROR))
     assert done.returncode == 0, done.stderr
-    if done.stdout.startswith("compiled"):
-        pytest.skip("this machine has CUDA: the plugin registers without JAX_PLATFORMS=cpu")
     assert done.stdout.startswith("jax's CUDA plugin is installed but did not register")
-    assert "Set JAX_PLATFORMS=cpu before JAX starts (now None)" in done.stdout
+    assert "Import fleetjax before JAX starts its backends" in done.stdout
+    assert "or set JAX_PLATFORMS=cpu before JAX starts (now None)" in done.stdout
 
 
 @needs_plugin
@@ -298,7 +323,7 @@ def test_megatron_formula_checks_its_shapes(kwargs, message):
 
 needs_cudnn = pytest.mark.skipif(
     targets.cudnn_version() is None,
-    reason="no cuDNN for jax's CUDA plugin: pip install 'fleetjax[aot-cudnn]'",
+    reason="no cuDNN for jax's CUDA plugin: pip install -e '.[aot-cudnn]'",
 )
 SEQ, ROWS_PER_DEVICE, HEADS = 2048, 2, 8  # GPT-3's sequence, heads of 128
 

@@ -150,7 +150,7 @@ def _axes(c, mesh):
 
 needs_plugin = pytest.mark.skipif(
     not targets.plugin_installed(),
-    reason="jax's CUDA plugin is not installed: pip install 'fleetjax[aot]'",
+    reason="jax's CUDA plugin is not installed: pip install -e '.[aot]'",
 )
 # Big enough for XLA:GPU's matmul tiling.
 H100_GPT = dataclasses.replace(

@@ -414,7 +414,7 @@ class TestHostTables:
 
     @pytest.mark.skipif(
         not targets.plugin_installed(),
-        reason="jax's CUDA plugin is not installed: pip install 'fleetjax[aot]'",
+        reason="jax's CUDA plugin is not installed: pip install -e '.[aot]'",
     )
     def test_compiled_for_h100s_only_the_touched_rows_reach_the_devices(self):
         """A 10^7 x 64 float32 host table over 8 compile-only H100s: XLA:GPU keeps each

@@ -195,6 +195,13 @@ class TestNothingIsSilentlyIgnored:
         [
             ({"asp": True}, "DistributedStrategy.asp=True: 2:4 structured sparsity"),
             ({"qat": True}, "DistributedStrategy.qat=True: quantization-aware training"),
+            ({"semi_auto": True}, "DistributedStrategy.semi_auto=True: semi-automatic"),
+            (
+                {"auto_search": True},
+                r"^DistributedStrategy.auto_search=True: fleetjax's automatic parallel search is a "
+                r"call, which needs the parameters and an example batch: found = "
+                r"fleetjax.auto.search\(loss_fn, optimizer, params, batch, strategy=strategy\) ",
+            ),
             ({"gradient_scale_configs": {"scale_strategy": "sum"}}, "scale_strategy='sum'"),
         ],
     )
@@ -311,6 +318,15 @@ class TestSeveralStepsPerCall:
         assert metrics["loss"].shape == (2,)
         with pytest.raises(ValueError, match=r"run\(\) got no batches"):
             auto.run(auto.init(make_params()), [])
+
+    def test_batches_of_different_shapes_are_named(self):
+        # Was jnp.stack's error from inside the scan's trace.
+        step = fleetjax.make_train_step(loss_fn, optax.sgd(0.1), fleetjax.Strategy())
+        short = {name: x[:8] for name, x in make_batch().items()}
+        with pytest.raises(ValueError, match=r"^run\(\) stacks its batches into one scan, so they "
+                           r"must have the same leaves, shapes and dtypes, but batch 1 has "
+                           r"batch\['x'\] float32\[8, \d+\], "):  # fmt: skip
+            step.run(step.init(make_params()), [make_batch(), short])
 
 
 # -- the step as a pure function of its spec -----------------------------------------------------

@@ -185,9 +185,26 @@ def test_many_batch_shapes_warn_once_that_each_compiles():
             state, _ = step(state, make_batch(rows=rows))
     messages = [str(w.message) for w in caught if w.category is fleetjax.StrategyWarning]
     assert messages == [
-        "the train step compiled for 3 batch shapes ([[16, 4], [16, 1]], [[24, 4], [24, 1]], "
-        "[[8, 4], [8, 1]]): each new shape compiles it again; pad batches to one shape (or drop "
-        "the last partial batch)"
+        "the train step compiled for 3 batch shapes and dtypes ((float32[16,4], float32[16,1]), "
+        "(float32[24,4], float32[24,1]), (float32[8,4], float32[8,1])): each new shape compiles "
+        "it again; pad batches to one shape (or drop the last partial batch)"
+    ]
+
+
+def test_batches_of_new_dtypes_warn_naming_the_dtypes():
+    step = step_for()
+    state = step.init(make_params())
+    batch = make_batch(rows=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for dtype in ("float32", "float16", "int32"):
+            typed = {"x": batch["x"].astype(dtype), "y": batch["y"]}
+            state, _ = step(state, typed)
+    messages = [str(w.message) for w in caught if w.category is fleetjax.StrategyWarning]
+    assert messages == [
+        "the train step compiled for 3 batch shapes and dtypes ((float16[8,4], float32[8,1]), "
+        "(float32[8,4], float32[8,1]), (int32[8,4], float32[8,1])): each new dtype compiles it "
+        "again; give each input one dtype (np.asarray(x, dtype=...))"
     ]
 
 

@@ -52,8 +52,11 @@ class TestRoleMakers:
         ],
     )  # fmt: skip
     def test_bad_environment(self, env, message):
+        role = PaddleCloudRoleMaker(True, environ=env)  # as Paddle's: read on first use
         with pytest.raises(ValueError, match=message):
-            PaddleCloudRoleMaker(True, environ=env)
+            role._generate_role()
+        with pytest.raises(ValueError, match=message):
+            role.worker_index  # noqa: B018  (every role query reads it)
 
     def test_trainers_num_differing_from_the_endpoints_warns_and_counts_endpoints(self):
         env = {"PADDLE_TRAINERS_NUM": "2", "PADDLE_TRAINER_ENDPOINTS": "127.0.0.1:36000"}
@@ -63,7 +66,7 @@ class TestRoleMakers:
             r"\(127.0.0.1:36000\): the worker count is the endpoint count, 1, as in Paddle",
         ):
             role = PaddleCloudRoleMaker(True, environ=env)
-        assert (role.worker_num, role._worker_num(), role.is_distributed) == (1, 1, False)
+            assert (role.worker_num, role._worker_num(), role.is_distributed) == (1, 1, False)
 
     def test_user_defined(self):
         role = UserDefinedRoleMaker(current_id=1, worker_endpoints=["h1:1", "h2:1"])

@@ -4,6 +4,7 @@ hangs or is killed; a launcher that is stopped or killed) are in test_launch_fau
 
 import ipaddress
 import json
+import logging
 import pathlib
 import re
 import socket
@@ -86,6 +87,37 @@ def test_fleetruns_other_spellings():
     assert vars(a) == vars(b)
     planned = plan("--server_num", "1", "--worker_num", "2", "--start_port", "6100")
     assert [(w.role, w.rank) for w in planned] == [("worker", 0), ("worker", 1), ("server", 0)]
+
+
+@pytest.mark.parametrize(
+    ("given", "meant"),
+    [
+        ("--cpu_device_per_proc", "--cpu_devices_per_proc"),
+        ("--nporc_per_node=2", "--nproc_per_node"),
+        ("--nproc_per_nod", "--nproc_per_node"),  # no prefixes: an option is named in full
+        ("--max-restarts", "--max-restart"),
+    ],
+)
+def test_an_unknown_option_names_the_closest(given, meant):
+    unknown = given.partition("=")[0]
+    message = f"unknown option {unknown} (did you mean {meant}?); fleetjax-run --help lists them"
+    with pytest.raises(launch.LaunchError, match=f"^{re.escape(message)}$"):
+        launch.parse_args([given, "2", "train.py"])
+
+
+def test_paddle_launchs_options_and_dashed_spellings():
+    """`python -m paddle.distributed.launch`'s --run_mode and --log_level, and every option
+    with dashes as well as underscores (torchrun's spelling)."""
+    paddle = ["--run_mode", "collective", "--log_level", "warning", "--nproc_per_node", "2"]
+    a = launch.parse_args([*paddle, "--max_restart", "1", "t.py", "--nproc-per-node", "9"])
+    dashed = ["--run-mode", "collective", "--log-level", "WARNING", "--nproc-per-node", "2"]
+    b = launch.parse_args([*dashed, "--max-restart", "1", "t.py", "--nproc-per-node", "9"])
+    assert vars(a) == vars(b)
+    assert (a.run_mode, a.log_level, a.nproc_per_node, a.max_restart) == ("collective", 30, 2, 1)
+    assert a.training_script_args == ["--nproc-per-node", "9"]  # the script's own
+    assert launch.parse_args(["t.py"]).log_level == logging.INFO  # Paddle's default
+    ps = plan("--run_mode", "ps", "--server_num", "1", "--trainer_num", "1")
+    assert [w.role for w in ps] == ["worker", "server"]
 
 
 def test_the_defaults_for_faults():
@@ -177,6 +209,17 @@ def test_plan_with_paddles_node_options():
             "--nnodes must be a number of nodes (at least 1) or a range min:max, got '3:2'",
         ),
         (
+            ["--nnodes", "\u00b2", "--master", "10.0.0.1:8090"],  # a digit to str.isdigit
+            None,
+            "--nnodes must be a number of nodes (at least 1) or a range min:max, got '\u00b2'",
+        ),
+        (
+            ["--master", "10.0.0.1:\u00b2"],
+            None,
+            "--master '10.0.0.1:\u00b2' is not an address of the form host:port (or "
+            "http://host:port)",
+        ),
+        (
             ["--ips", "10.0.0.1,10.0.0.2", "--host", "10.0.0.2", "--start_port", "1"],
             None,
             "--start_port 1: the launchers of --ips nodes meet at the first node's port "
@@ -209,17 +252,42 @@ def test_plan_errors(argv, environ, message):
         (["--log_dir", "{file}/log", "{script}"], "--log_dir {file}/log cannot be made: "),
         (["{tmp}/missing.py"], "the training script {tmp}/missing.py is not a file"),
         ([], "no training script: fleetjax-run [options] train.py [its arguments]"),
-        (["--nproc_per_node", "two", "{script}"], "argument --nproc_per_node: invalid int value"),
+        (
+            ["--nproc_per_node", "two", "{script}"],
+            "argument --nproc_per_node/--nproc-per-node: invalid int value",
+        ),
         (
             ["--heartbeat_timeout", "-1", "{script}"],
-            "argument --heartbeat_timeout: must be a number of seconds (0 or more), got '-1'",
+            "argument --heartbeat_timeout/--heartbeat-timeout: must be a number of seconds (0 or "
+            "more), got '-1'",
         ),
         (
             ["--peer_timeout", "0.5", "{script}"],
             "--peer_timeout must be at least 1 second, got 0.5",
         ),
         (["--max_restart", "-1", "{script}"], "--max_restart must be 0 or more, got -1"),
-        (["--no_such_option", "{script}"], "unrecognized arguments: --no_such_option"),
+        (["--no_such_option", "{script}"], "unknown option --no_such_option; fleetjax-run --help"),
+        (
+            ["--run_mode", "rpc", "{script}"],
+            "argument --run_mode/--run-mode: invalid choice: 'rpc' (choose from 'collective', "
+            "'ps')",
+        ),
+        (
+            ["--worker_num", "2", "{script}"],
+            "--trainer_num (--worker_num) 2 without servers: a parameter-server job (Paddle's "
+            "--run_mode ps) also needs its servers, --server_num N on this node or --servers "
+            "ip:port,...; for a collective job of 2 processes on this node, give "
+            "--nproc_per_node 2 instead",
+        ),
+        (
+            ["--run_mode", "ps", "{script}"],
+            "--run_mode ps needs the job's servers and trainers: --server_num N and "
+            "--trainer_num M on this node (or --servers and --workers, lists of ip:port)",
+        ),
+        (
+            ["--run_mode", "collective", "--server_num", "1", "{script}"],
+            "--run_mode collective, but --server_num is an option of a parameter-server job",
+        ),
     ],
 )
 def test_usage_errors_are_one_line_and_exit_2(tmp_path, capsys, argv, message):
@@ -386,3 +454,25 @@ def test_the_coordinator_listens_on_the_named_address_only(launcher, tmp_path):
     wait_for(lambda: all(log.exists() and "ready" in log.read_text() for log in logs), 120, "ready")
     # Loopback only (maybe as IPv6's ::ffff:127.0.0.1), not every interface (0.0.0.0, [::]).
     assert listening(port) == {ipaddress.ip_address("127.0.0.1")}
+
+
+def test_the_console_leaves_out_gloos_lines_and_the_log_keeps_them(launcher, tmp_path):
+    """Gloo prints a line for each communicator it connects; the console (worker 0's echo)
+    shows the script's output only, a progress bar's unfinished line at once."""
+    proc = launcher(str(WORKER), "gloo", text=False)  # bytes: a bar's \r as written
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert out.partition(b"\n")[2] == b"before\n50%\r100%\ndone\n"  # after the worker's pid=
+    log = (tmp_path / "log" / "workerlog.0").read_bytes()
+    assert b"before\n[Gloo] Rank 0 is connected to 1 peer ranks\n50%\r" in log
+    assert (
+        err.decode()
+        == f"fleetjax-run: starting workers 0..0 of 1; logs in {tmp_path}/log/workerlog.N\n"
+    )
+    # --log_level WARNING (Paddle's levels): the launcher's progress is left out, errors not.
+    proc = launcher("--log_level", "WARNING", str(WORKER), "gloo")
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and err == "", err
+    proc = launcher("--log_level", "WARNING", str(WORKER), "fail0")
+    out, err = proc.communicate(timeout=60)
+    assert "fleetjax-run: worker 0 exited with code 1; stopping all workers" in err

@@ -102,18 +102,32 @@ def test_a_raising_worker_is_named_within_10_s(launcher, tmp_path):
     _all_gone(tmp_path / "log", timeout=0)
 
 
-def _training(launcher, tmp_path, fault: str, *options: str) -> tuple[int, str, float]:
-    """Two workers training with a TrainStep; worker 1's fault at step 5. The launcher's exit
-    code, its stderr, and how long after the fault it exited."""
+def _training(
+    launcher, tmp_path, fault: str, *options: str, loop: str = "steps"
+) -> tuple[int, str, float]:
+    """Two workers training in `loop` (a TrainStep's steps, or plain `jit` all-reduces); worker
+    1's fault at step 5. The launcher's exit code, its stderr, and how long after the fault (as
+    the worker that met it logged it) it exited."""
     proc = launcher(
         "--nproc_per_node", "2", "--cpu_devices_per_proc", "2", "--start_port", str(free_port()),
-        *options, str(WORKER), "steps", fault,
+        *options, str(WORKER), loop, fault,
     )  # fmt: skip
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=180)
     ended = time.time()
-    fault_at = re.search(r"fault at ([\d.]+)", (tmp_path / "log" / "workerlog.1").read_text())
+    logs = "".join(log.read_text() for log in (tmp_path / "log").glob("workerlog.*"))
+    fault_at = re.search(r"fault at ([\d.]+)", logs)
     _all_gone(tmp_path / "log", timeout=0)
     return proc.returncode, err, ended - float(fault_at[1]) if fault_at else float("nan")
+
+
+def _stacks_logged(tmp_path, *ranks: int) -> None:
+    """Assert that the launcher put the stacks of workers `ranks` (their main threads in
+    launch_worker.py) into their logs."""
+    for rank in ranks:
+        log = (tmp_path / "log" / f"workerlog.{rank}").read_text()
+        report = log.partition(f"fleetjax-run: the stacks of worker {rank} (")[2]
+        assert re.search(r"^Current thread 0x|^Thread 0x", report, re.M), log[-3000:]
+        assert 'launch_worker.py", line' in report, report
 
 
 def test_a_worker_that_exits_while_the_others_are_in_a_collective_is_named_at_once(
@@ -142,18 +156,37 @@ def test_a_worker_that_leaves_early_with_code_0_is_named_at_once(launcher, tmp_p
     ), err
 
 
-def test_a_spinning_worker_is_named_not_those_waiting_for_it(launcher, tmp_path):
-    # Worker 1 spins in Python after 5 steps; worker 0 waits in step 6's all-reduce. Neither
-    # prints; worker 0 made one more TrainStep call, so worker 1 is the one it waits for.
-    code, err, after = _training(launcher, tmp_path, "spin", "--heartbeat_timeout", "6")
+@pytest.mark.parametrize(
+    "loop, steps", [("steps", " after 5 steps, the fewest"), ("jit", "")], ids=["steps", "jit"]
+)
+def test_a_spinning_worker_is_named_not_those_waiting_for_it(launcher, tmp_path, loop, steps):
+    # Worker 1 spins in Python after 5 steps; worker 0 waits in step 6's all-reduce, a
+    # TrainStep's or a plain jax.jit one's. Neither prints. Worker 0's stack shows it waiting
+    # (in JAX, or in a call into XLA), worker 1's runs Python code; with TrainSteps worker 0
+    # also made one more call (before this change, with plain jit: worker 0, in 3 of 3 runs).
+    code, err, after = _training(launcher, tmp_path, "spin", "--heartbeat_timeout", "8", loop=loop)
     print(f"the launcher exited {after:.1f} s after worker 1 began to spin")
-    assert 6 < after < 6 + 10
+    assert 8 < after < 8 + 15
     assert code == 124
     assert re.search(
         r"fleetjax-run: worker 1 made no progress for \d+ s \(no output, no step, no heartbeat; "
-        r"--heartbeat_timeout 6\) after 5 steps, the fewest; stopping all workers\n$",
+        rf"--heartbeat_timeout 8\){steps}, at launch_worker.py:\d+ \(in _faults\) while the "
+        r"others wait; stopping all workers\n$",
         err,
     ), err
+    _stacks_logged(tmp_path, 0, 1)
+
+
+@pytest.mark.slow  # 25 s; the hang timeout runs by default with a spinning worker
+def test_a_hang_in_the_first_step_is_named(launcher, tmp_path):
+    # The first step's host callback sleeps on one process: every worker is in its first
+    # TrainStep call, which compiled and now waits. Compiling is progress, waiting is not
+    # (before this change: the first call beat for as long as it lasted, named never).
+    code, err, after = _training(launcher, tmp_path, "first_call", "--heartbeat_timeout", "8")
+    print(f"the launcher exited {after:.1f} s after the first step began to wait")
+    assert 8 < after < 8 + 15
+    assert code == 124
+    assert re.search(r"fleetjax-run: worker \d made no progress for \d+ s ", err), err
 
 
 @pytest.mark.slow  # 17 s; by default a hung worker is named by the launcher's timeout
@@ -179,21 +212,21 @@ def test_train_steps_are_progress(launcher, tmp_path):
     assert code == 0, err
 
 
-@pytest.mark.slow  # 14 s; the hang timeout's path runs by default with a spinning worker
-def test_a_worker_that_ends_with_0_while_the_others_wait_is_named_at_the_hang_timeout(
-    launcher, tmp_path
-):
-    # raise SystemExit(0): worker 1 waits in JAX's shutdown barrier, worker 0 in the step's
-    # all-reduce; the launcher cannot tell that from a worker 0 that works on alone, so the hang
-    # timeout decides, and names the worker that ended.
-    code, err, after = _training(launcher, tmp_path, "raise_exit0", "--heartbeat_timeout", "5")
+@pytest.mark.slow  # 20 s; by default a worker that leaves by os._exit(0) is named at once
+def test_a_worker_that_ends_with_0_while_the_others_wait_is_named_in_seconds(launcher, tmp_path):
+    # raise SystemExit(0) after 5 steps: worker 1 waits in JAX's shutdown barrier, worker 0 in
+    # step 6's all-reduce (before this change: named by the hang timeout, or JAX's 301 s).
+    code, err, after = _training(launcher, tmp_path, "raise_exit0")
     print(f"the launcher exited {after:.1f} s after worker 1's SystemExit(0)")
-    assert code == 124
+    assert after < 5 + 15
+    assert code == 1
     assert re.search(
-        r"fleetjax-run: worker 1 ended with code 0 while the others ran; then worker 0 made no "
-        r"progress for \d+ s .*; stopping all workers\n$",
+        r"fleetjax-run: worker 1 ended its script with code 0 after 5 steps while the others "
+        r"ran; they made no progress for \d+ s since, waiting in JAX after 6 steps \(their "
+        r"stacks are in their logs\); stopping all workers\n$",
         err,
     ), err
+    _stacks_logged(tmp_path, 0)
 
 
 def test_a_killed_worker_stops_the_others(launcher, tmp_path):

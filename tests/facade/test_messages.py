@@ -64,3 +64,38 @@ def test_a_removed_name_points_to_its_replacement(strategy):
         strategy().explain()
     with pytest.raises(AttributeError, match=r"print\(fleetjax.applied_strategy\(strategy\)\)"):
         strategy().explain()
+
+
+@pytest.mark.parametrize(
+    ("assign", "message"),
+    [
+        (
+            lambda s: setattr(s, "mp_configs", {"sync_param": True}),
+            "'mp_configs' is not a field of DistributedStrategy: it is a key of hybrid_configs "
+            "(strategy.hybrid_configs['mp_configs'] = ...). Valid names: mode, ",
+        ),
+        (
+            lambda s: setattr(s, "sep_degree", 2),
+            "'sep_degree' is not a field of DistributedStrategy: it is a key of hybrid_configs "
+            "(strategy.hybrid_configs['sep_degree'] = ...). Valid names: ",
+        ),
+        (
+            lambda s: s.hybrid_configs.update(sync_param=True),
+            "'sync_param' is not a field of hybrid_configs: it is a key of mp_configs and "
+            "pp_configs (hybrid_configs['mp_configs']['sync_param'] = ...). Valid names: ",
+        ),
+    ],
+)
+def test_a_key_set_one_level_too_high_says_where_it_lives(assign, message):
+    s = fleetjax.DistributedStrategy()
+    with pytest.raises(fleetjax.UnknownFieldError) as error:
+        assign(s)
+    assert str(error.value).startswith(message)
+    s.hybrid_configs["mp_configs"] = {"sync_param": True}  # where the message says
+    s.hybrid_configs["sep_degree"] = 2
+    assert s.hybrid_configs["mp_configs"]["sync_param"] and s.hybrid_configs["sep_degree"] == 2
+
+
+def test_a_typo_still_gets_did_you_mean():
+    with pytest.raises(fleetjax.UnknownFieldError, match=r"\(did you mean 'amp_configs'\?\)"):
+        fleetjax.DistributedStrategy().amp_config = {}

@@ -13,6 +13,7 @@ import sys
 import textwrap
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -252,6 +253,9 @@ class TestAutoParallelStrategies:
             "fused_passes": {"enable": True, "gemm_epilogue": True},
             "seed": 3,
         }
+        # fleetjax's public spelling: the constructor converts the same way (pipeline aside,
+        # which only `s` had before).
+        assert fleetjax.Strategy(legacy).non_defaults() == s.non_defaults()
 
     def test_from_legacy_strategy_refuses_qat_and_warns_for_what_it_drops(self):
         legacy = auto.Strategy({"tuning": {"enable": True}})
@@ -260,6 +264,8 @@ class TestAutoParallelStrategies:
         legacy.qat.enable = True
         with pytest.raises(NotImplementedError, match="quantization-aware training"):
             fleetjax.Strategy()._from_legacy_strategy(legacy)
+        with pytest.raises(NotImplementedError, match="quantization-aware training"):
+            fleetjax.Strategy(legacy)
 
 
 # -- role makers -------------------------------------------------------------------------------
@@ -294,10 +300,46 @@ class TestRoleMakers:
         assert (ro._is_non_distributed(), ro._get_local_device_ids()) == (False, "0,1")
         assert role_maker.PaddleCloudRoleMaker(True, environ={})._is_non_distributed()
 
+    @pytest.mark.parametrize(
+        "missing", ["PADDLE_TRAINERS_NUM", "TRAINING_ROLE", "PADDLE_TRAINER_ID", "PADDLE_PORT",
+                    "POD_IP"],
+    )  # fmt: skip
+    def test_paddle_cloud_role_maker_reads_the_environment_on_first_use(
+        self, fresh_fleet, monkeypatch, missing
+    ):
+        """Paddle 3.3.1 (its test_fleet_rolemaker_new's calls): a PaddleCloudRoleMaker is made
+        whatever the environment holds; `_generate_role()`, which each role query and
+        `fleet.init` call, reads it and raises Paddle's error for a missing variable."""
+        env = {
+            "PADDLE_PSERVERS_IP_PORT_LIST": "127.0.0.1:36001,127.0.0.2:36001",
+            "PADDLE_TRAINERS_NUM": "2",
+            "TRAINING_ROLE": "TRAINER",
+            "PADDLE_TRAINER_ID": "1",
+            "PADDLE_PORT": "36001",
+            "POD_IP": "127.0.0.1",
+        }
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.delenv(missing)
+        ro = role_maker.PaddleCloudRoleMaker(is_collective=False)
+        message = f"^Can not find {missing}, please check your environment.$"
+        with pytest.raises(ValueError, match=message):
+            ro._generate_role()
+        with pytest.raises(ValueError, match=message):
+            ro._is_worker()
+        with pytest.raises(ValueError, match=message):
+            fresh_fleet.init(ro)
+        monkeypatch.setenv(missing, env[missing])  # read when asked, not when made
+        assert (ro._is_worker(), ro._worker_index(), ro._worker_num()) == (True, 1, 2)
+
     def test_collectives_over_one_process(self):
         ro = role_maker.UserDefinedRoleMaker(worker_endpoints=["127.0.0.1:6170"])
         assert ro._all_gather(5, "worker") == [5]
         assert ro._all_reduce([1, 2], "max", "worker") == [1, 2]
+        for array in (np.ones(2), jnp.ones(2)):  # either array: a numpy array, as Paddle's
+            reduced = ro._all_reduce(array, "sum", "worker")
+            assert type(reduced) is np.ndarray and reduced.tolist() == [1.0, 1.0]
+        assert ro._all_reduce(np.float32(2), "sum", "worker") == 2.0
         ro._barrier("worker")
 
     def test_fleet_asks_a_user_defined_role_maker_through_paddles_methods(self, fresh_fleet):

@@ -88,7 +88,7 @@ class TestRoleMakers:
             r"parameter-server trainer \(index 0\), as in Paddle$",
         ):
             role = PaddleCloudRoleMaker(is_collective=False, environ=env)
-        assert (role._worker_index(), role._worker_num(), role.worker_endpoints) == (0, 1, [])
+            assert (role._worker_index(), role._worker_num(), role.worker_endpoints) == (0, 1, [])
         assert role._is_non_distributed() and not role.is_distributed
 
     def test_repeated_server_endpoints_are_accepted_with_a_warning_as_in_paddle(self):
@@ -112,7 +112,7 @@ class TestRoleMakers:
         env = ps_env("PSERVER", PADDLE_PSERVERS_IP_PORT_LIST="127.0.0.1:6002,127.0.0.1:6002")
         with pytest.warns(fleetjax.StrategyWarning, match="^PADDLE_PSERVERS_IP_PORT_LIST: server"):
             role = PaddleCloudRoleMaker(is_collective=False, environ=env)
-        assert (role._server_index(), role._server_num()) == (0, 2)  # the first, as Paddle's
+            assert (role._server_index(), role._server_num()) == (0, 2)  # the first, as Paddle's
 
     def test_worker_endpoints_stay_distinct(self):
         servers = SERVERS.split(",")
@@ -123,7 +123,7 @@ class TestRoleMakers:
             )  # fmt: skip
         env = ps_env("TRAINER", PADDLE_TRAINER_ENDPOINTS="127.0.0.1:7001,127.0.0.1:7001")
         with pytest.raises(ValueError, match="PADDLE_TRAINER_ENDPOINTS: worker endpoints repeat"):
-            PaddleCloudRoleMaker(is_collective=False, environ=env)
+            PaddleCloudRoleMaker(is_collective=False, environ=env)._generate_role()
 
     def test_trainers_without_endpoints_answer_and_fail_to_join(self, ps_fleet, monkeypatch):
         """Paddle's role maker needs no trainer endpoints (test_fleet_rolemaker); joining
@@ -158,8 +158,9 @@ class TestRoleMakers:
     )  # fmt: skip
     def test_a_server_environment_that_names_no_role(self, env, message):
         environ = {k: v for k, v in {**ps_env("PSERVER"), **env}.items() if v is not None}
+        role = PaddleCloudRoleMaker(is_collective=False, environ=environ)  # Paddle's: no error
         with pytest.raises(ValueError, match=message):
-            PaddleCloudRoleMaker(is_collective=False, environ=environ)
+            role._generate_role()  # Paddle reads the environment here, on first use
 
     @pytest.mark.parametrize(
         "env, message",
@@ -173,8 +174,9 @@ class TestRoleMakers:
     def test_a_trainer_environment_that_names_no_role(self, env, message, monkeypatch):
         monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
         environ = {k: v for k, v in {**ps_env("TRAINER"), **env}.items() if v is not None}
+        role = PaddleCloudRoleMaker(is_collective=False, environ=environ)  # Paddle's: no error
         with pytest.raises(ValueError, match=message):
-            PaddleCloudRoleMaker(is_collective=False, environ=environ)
+            role._is_worker()  # any role query reads it first
 
     def test_user_defined(self):
         servers = SERVERS.split(",")

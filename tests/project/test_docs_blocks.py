@@ -1,13 +1,15 @@
 """Every python block of README.md and docs/*.md runs as pasted.
 
-A block (indented ones in lists too) runs in a fresh Python process, in an empty directory, on
-the suite's 8 simulated CPU devices. A block whose fence follows the marker line
+A block (indented ones in lists too) runs in a fresh Python process, in an empty directory, with
+no device variables set (one CPU device, as a new user's machine: a block that needs more sets
+them up itself) and prints no ERROR or traceback. The files a block leaves are not left by a
+block of another page, so pasting pages one after another in one directory does not collide.
+A block whose fence follows the marker line
 `<!-- continues the block above -->` continues the page's block before it (the site renders
 both, and hides the marker): the test runs the two as one script. Every other block is
 complete on its own.
 """
 
-import os
 import pathlib
 import re
 import subprocess
@@ -15,6 +17,7 @@ import sys
 import textwrap
 
 import pytest
+from pasted import pasted_env
 
 ROOT = pathlib.Path(__file__).parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -47,10 +50,18 @@ SCRIPTS = [script for page in PAGES for script in scripts(page)]
 
 
 def run(code: str, cwd: pathlib.Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # conftest's 8 simulated CPU devices
     return subprocess.run(
-        [sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", code],
+        cwd=cwd,
+        env=pasted_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
+
+
+# The names each script left in its directory, by script, as the scripts run.
+LEFT: dict[str, set[str]] = {}
 
 
 def test_every_python_block_is_found():
@@ -64,3 +75,9 @@ def test_every_python_block_is_found():
 def test_block_runs_as_pasted(name, code, tmp_path):
     result = run(code, tmp_path)
     assert result.returncode == 0, f"{name} failed:\n{result.stderr[-4000:]}"
+    assert not re.search(r"ERROR|Traceback", result.stderr), f"{name}:\n{result.stderr[-4000:]}"
+    LEFT[name] = {path.name for path in tmp_path.iterdir()}
+    page = name.partition(":")[0]
+    for other, names in LEFT.items():
+        clash = names & LEFT[name] if other.partition(":")[0] != page else set()
+        assert not clash, f"{name} and {other} both write {sorted(clash)}"

@@ -212,11 +212,62 @@ def test_flags_go_on_top_of_the_strategy_file():
             ["--batch-size", "10"],
             r"--batch-size 10 does not split into accumulate_steps=4 micro-batches",
         ),
+        (
+            train_gpt,
+            ["--mp", "1", "--sequence-parallel"],
+            r"--sequence-parallel splits the sequence over the tensor-parallel devices: give "
+            r"--mp N > 1 \(mp_degree is 1\)",
+        ),
     ],
 )
 def test_bad_flags_say_what_is_wrong(script, flags, message):
     with pytest.raises(SystemExit, match=message):
         script.strategy_from(script.parse_args(flags))
+
+
+def test_gpt_takes_every_schedule_and_the_sequence_axes():
+    assert train_gpt.SCHEDULES == ("FThenB", "1F1B", "Eager1F1B", "VPP", "ZBH1", "ZBVPP")
+    for mode in train_gpt.SCHEDULES:
+        s = train_gpt.strategy_from(train_gpt.parse_args(["--schedule", mode]))
+        assert s.pipeline_configs["schedule_mode"] == mode
+    flags = ["--dp", "1", "--pp", "1", "--sharding", "4", "--cp", "2", "--sep", "2", "--mp", "1"]
+    s = train_gpt.strategy_from(train_gpt.parse_args(flags))
+    degrees = {k: s.hybrid_configs[f"{k}_degree"] for k in ("dp", "pp", "sharding", "cp", "sep")}
+    assert degrees == {"dp": 1, "pp": 1, "sharding": 4, "cp": 2, "sep": 2}
+    assert train_gpt.parse_args(["--mp", "2", "--sequence-parallel"]).sequence_parallel
+
+
+ROOT = next(p for p in pathlib.Path(__file__).parents if (p / "pyproject.toml").exists())
+
+
+def documented_runs(page: str) -> list[tuple[list[str], str]]:
+    """(the arguments, the summary line the page shows) of each `examples/train_gpt.py`
+    command on docs/`page`: a bash block of commands, then a text block of their summaries."""
+    runs = []
+    text = (ROOT / "docs" / page).read_text()
+    for commands, shown in re.findall(r"```bash\n(.*?)```\n\n```text\n(.*?)```", text, re.S):
+        lines = [line.split(" #")[0].split() for line in commands.splitlines()]
+        lines = [line for line in lines if line[:2] == ["python", "examples/train_gpt.py"]]
+        runs += [
+            (line[2:], summary) for line, summary in zip(lines, shown.splitlines(), strict=True)
+        ]
+    return runs
+
+
+@pytest.mark.slow  # the GPT under each command: 1 to 2 minutes on 2 cores
+@pytest.mark.parametrize(
+    ("page", "count"), [("mesh.md", 2), ("long_sequences.md", 3)], ids=["zero-bubble", "sequence"]
+)
+def test_the_gpt_commands_of_a_page_print_what_it_shows(page, count):
+    """docs/mesh.md's zero-bubble schedules and docs/long_sequences.md's sequence axes: each
+    command ends on the losses and the mesh its page shows (the default run's losses)."""
+    runs = documented_runs(page)
+    assert len(runs) == count
+    for args, shown in runs:
+        summary, _, _ = run("train_gpt.py", *args, "--log-every", "10")
+        assert f"loss {summary['first']:.4f} -> {summary['last']:.4f}" == shown.split(" | ")[0]
+        assert summary["rest"].endswith(shown.split(" | ")[-1]), (args, summary["rest"])
+        assert shown.startswith("loss 4.8492 -> 2.8836 | ")  # the dp 2 x pp 2 x mp 2 run's
 
 
 def test_the_resnet_refuses_a_depth_that_is_not_6n_plus_2():

@@ -4,14 +4,13 @@ Megatron-LM's GPT-3 175B layouts (tensor x pipeline x the distributed optimizer 
 replicas, micro-batches of one sequence, full recompute, bf16) compile under the H100's memory
 with each device's HBM and each mesh axis's payload at Megatron's formulas
 (`fleetjax.targets.Megatron`, within 1.25x); a GPT of a few layers on 64 GPUs guards the same
-formulas in the default suite. Nothing runs: every figure is XLA:GPU's plan.
+formulas in the default suite. The layouts are examples/megatron_layout.py's (docs/scale.md's
+recipe). Nothing runs: every figure is XLA:GPU's plan.
 """
 
 import pathlib
 import sys
 
-import jax
-import jax.numpy as jnp
 import optax
 import pytest
 from flax import nnx
@@ -21,39 +20,15 @@ from fleetjax import targets
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "examples"))
 from gpt import GPT, GPTConfig, GPTFunctions
+from megatron_layout import megatron_formula, megatron_step, parse_args
 
 pytestmark = pytest.mark.skipif(
     not targets.plugin_installed(),
-    reason="jax's CUDA plugin is not installed: pip install 'fleetjax[aot]'",
+    reason="jax's CUDA plugin is not installed: pip install -e '.[aot]'",
 )
 
 H100 = targets.get("h100").spec
-
-
-def megatron_step(formula: targets.Megatron) -> tuple:
-    """The example GPT at `formula`'s shapes, laid out as `formula` says on compile-only H100s:
-    the step, its abstract state and batch."""
-    f = formula
-    config = GPTConfig(f.vocab, f.sequence, f.hidden, f.heads, f.layers, 4 * f.hidden)
-    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
-    fns, params = GPTFunctions(model), nnx.to_pure_dict(nnx.state(model))
-    s = fleetjax.DistributedStrategy(amp=True, sharding=True, pipeline=True, recompute=True)
-    s.amp_configs = {"dtype": "bfloat16", "use_pure_bf16": True}  # Megatron's --bf16
-    s.hybrid_configs = {"sharding_degree": f.dp, "mp_degree": f.tp, "pp_degree": f.pp}
-    s.sharding_configs = {"sharding_degree": f.dp, "stage": 1}  # the distributed optimizer
-    s.pipeline_configs = {
-        "accumulate_steps": f.micro_batches,
-        "micro_batch_size": f.micro_batch,
-        "schedule_mode": "VPP" if f.vpp > 1 else "1F1B",
-    }
-    s.recompute_configs = {"policy": "nothing_saveable"}
-    mesh = targets.mesh("h100", f.gpus, sharding=f.dp, pp=f.pp, mp=f.tp)
-    loss = fns.pipeline_layer(f.vpp)
-    specs = fns.pipeline_params(fns.partition_specs(mesh=mesh))
-    step = fleetjax.make_train_step(loss, optax.adam(1e-4), s, mesh, param_specs=specs)
-    state = step.abstract_init(fns.pipeline_params(params))
-    batch = {"tokens": jax.ShapeDtypeStruct((f.global_batch, f.sequence + 1), jnp.int32)}
-    return step, state, batch
+ROOT = next(p for p in pathlib.Path(__file__).parents if (p / "pyproject.toml").exists())
 
 
 def assert_at_formula(formula: targets.Megatron) -> fleetjax.Explanation:
@@ -108,6 +83,8 @@ def test_megatron_175b_layouts_fit_at_the_formulas(gpus, tp, pp, vpp):
     dp = gpus // (tp * pp)
     formula = targets.Megatron(96, 12288, 96, 2048, 51200, 1536, tp=tp, pp=pp, dp=dp, vpp=vpp)
     report = assert_at_formula(formula)
+    if formula == megatron_formula(parse_args([])):  # the script's default: the page shows it
+        assert str(report) in (ROOT / "docs" / "scale.md").read_text()
     # A plain no-overlap model of the compiled step (its matmuls over the peak, its
     # collectives over NVLink and InfiniBand) gives at least 40% MFU; the formula's 45-50%.
     t = report.gpu.time

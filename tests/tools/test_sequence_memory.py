@@ -30,7 +30,7 @@ from gpt import GPT, MEGATRON_KEPT, GPTConfig, GPTFunctions
 pytestmark = [
     pytest.mark.skipif(
         not targets.plugin_installed(),
-        reason="jax's CUDA plugin is not installed: pip install 'fleetjax[aot]'",
+        reason="jax's CUDA plugin is not installed: pip install -e '.[aot]'",
     ),
     pytest.mark.slow,  # 4 to 6 GPT steps compiled for H100s per test: 40 to 100 s each
 ]

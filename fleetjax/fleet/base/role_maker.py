@@ -15,6 +15,7 @@ implements) and carries Paddle's collectives between workers (`_all_reduce`, `_a
 from __future__ import annotations
 
 import enum
+import functools
 import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -62,6 +63,18 @@ def _parse_endpoint(endpoint: str, source: str) -> str:
     return f"{host}:{port}"
 
 
+def _role_query(query: Callable[..., Any]) -> Callable[..., Any]:
+    """A role query: the role maker reads its role first if it has not yet (Paddle reads it on
+    first use, `_generate_role`, and `fleet.init` asks at once)."""
+
+    @functools.wraps(query)
+    def ask(self: RoleMakerBase, *args: Any, **kwargs: Any) -> Any:
+        self._generate_role()
+        return query(self, *args, **kwargs)
+
+    return ask
+
+
 class RoleMakerBase:
     """Paddle's `RoleMakerBase`: the interface of a role maker.
 
@@ -70,7 +83,7 @@ class RoleMakerBase:
     (`_worker_index`, `_worker_num`, `_node_num`, ...) to give `fleet.init` a role of your own.
     """
 
-    _is_collective = True  # fleetjax has collective mode only
+    _is_collective = True  # a role maker of a parameter-server job says otherwise
 
     def __init__(self) -> None:
         self._worker_endpoints: list[str] = []
@@ -79,6 +92,10 @@ class RoleMakerBase:
         self._role_is_generated = False
         self._role: Role | None = None
         self._current_id = -1
+
+    def _generate_role(self) -> None:
+        """Read the role (Paddle's; each role query calls it first). A role maker given its
+        role when made has nothing left to read."""
 
     # -- Paddle's role queries: a subclass answers them --------------------------------------
     def _unknown(self, query: str) -> NotImplementedError:
@@ -114,12 +131,15 @@ class RoleMakerBase:
     def _node_num(self) -> int:
         raise self._unknown("_node_num")
 
+    @_role_query
     def _get_trainer_endpoints(self) -> list[str]:
         return self._worker_endpoints
 
+    @_role_query
     def _get_pserver_endpoints(self) -> list[str]:
         return self._server_endpoints
 
+    @_role_query
     def to_string(self) -> str:
         return (
             f"role: {self._role}, current_id: {self._current_id}, worker_endpoints: "
@@ -149,6 +169,7 @@ class RoleMakerBase:
         return self._is_collective
 
     @property
+    @_role_query
     def role(self) -> Role | None:
         return self._role
 
@@ -167,6 +188,7 @@ class RoleMakerBase:
         return list(self._get_trainer_endpoints())
 
     @property
+    @_role_query
     def current_endpoint(self) -> str | None:
         """This worker's endpoint (None when unknown)."""
         return self._cur_endpoint or None
@@ -177,6 +199,7 @@ class RoleMakerBase:
         return self._node_num()
 
     @property
+    @_role_query
     def is_distributed(self) -> bool:
         """Whether this process is a worker among several (and so joins them with
         `jax.distributed`); a parameter server joins nothing."""
@@ -195,12 +218,13 @@ def _check_world(comm_world: str) -> None:
 
 
 def _like_input(value: np.ndarray, template: Any) -> Any:
-    """`value` in the kind of container `template` was: scalar, list or numpy array."""
-    if isinstance(template, np.ndarray):
-        return value
+    """`value` in the kind of container `template` was: a number, a list, or (for any array,
+    numpy's or JAX's) a numpy array."""
     if isinstance(template, (list, tuple)):
         return value.tolist()
-    return value.item()
+    if isinstance(template, (int, float, complex, np.generic)):
+        return value.item()
+    return value
 
 
 def _gather(input: Any) -> np.ndarray:
@@ -243,13 +267,11 @@ class _CollectiveRoleMaker(RoleMakerBase):
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("fleetjax.barrier_worker")
 
-    def _generate_role(self) -> None:
-        """Paddle reads the role on first use; fleetjax reads and checks it when the role maker
-        is made, so that a bad environment fails before anything runs. Nothing is left to do."""
-
+    @_role_query
     def _is_worker(self) -> bool:
         return self._role == Role.WORKER
 
+    @_role_query
     def _is_server(self) -> bool:
         return self._role == Role.SERVER
 
@@ -262,35 +284,44 @@ class _CollectiveRoleMaker(RoleMakerBase):
     def _heter_worker_num(self) -> int:
         return 0
 
+    @_role_query
     def _is_first_worker(self) -> bool:
         return self._role == Role.WORKER and self._current_id == 0
 
+    @_role_query
     def _worker_index(self) -> int:
         """The worker's index (Paddle's `current_id`: on a server, the server's index)."""
         return self._current_id
 
+    @_role_query
     def _role_id(self) -> int:
         return self._current_id
 
+    @_role_query
     def _worker_num(self) -> int:
         return self._trainers_num
 
+    @_role_query
     def _server_num(self) -> int:
         return len(self._server_endpoints)
 
+    @_role_query
     def _server_index(self) -> int:
         """Paddle's `current_id` in parameter-server mode; 0 in collective mode, which has no
         servers (Paddle answers the worker index)."""
         return 0 if self._is_collective else self._current_id
 
+    @_role_query
     def _node_num(self) -> int:
         return len({e.rpartition(":")[0] for e in self._worker_endpoints})
 
     _get_node_num = _node_num
 
+    @_role_query
     def _get_trainer_endpoint(self) -> str:
         return self._cur_endpoint
 
+    @_role_query
     def _is_non_distributed(self) -> bool:
         """Whether no launcher described the processes (Paddle's plain `python train.py`)."""
         return self._non_distributed
@@ -380,7 +411,9 @@ def _check_mode(is_collective: Any) -> bool:
 
 
 class PaddleCloudRoleMaker(_EndpointRoleMaker):
-    """The role from the environment that `fleetrun` (or `fleetjax-run`) sets.
+    """The role from the environment that `fleetrun` (or `fleetjax-run`) sets, read as Paddle
+    reads it: on first use (`_generate_role()`, which every role query and `fleet.init` call),
+    not when the role maker is made.
 
     Collective mode reads `PADDLE_TRAINER_ID` (default 0), `PADDLE_TRAINER_ENDPOINTS`
     (comma-separated host:port; unset means a single, non-distributed worker),
@@ -397,12 +430,13 @@ class PaddleCloudRoleMaker(_EndpointRoleMaker):
 
     Args:
       is_collective: collective (True) or parameter-server (False, Paddle's default) mode.
-      environ: the environment to read; default `os.environ` at construction time.
+      environ: the environment to read; default `os.environ` when the role is read.
       init_gloo: Paddle's switch for its Gloo collectives; JAX brings its own CPU collectives
         (Gloo), so there is nothing to set up.
 
-    Raises:
-      ValueError: for a variable that is missing or malformed, naming it.
+    Raises (from `_generate_role()`, so from the first role query or `fleet.init`):
+      ValueError: for a variable that is missing or malformed, with Paddle's message
+        ("Can not find TRAINING_ROLE, please check your environment.") or naming it.
     """
 
     def __init__(
@@ -414,11 +448,19 @@ class PaddleCloudRoleMaker(_EndpointRoleMaker):
     ) -> None:
         del init_gloo  # JAX's CPU collectives need no set-up
         super().__init__()
-        env = os.environ if environ is None else environ
+        self._is_collective = _check_mode(is_collective)
+        self._environ = environ
+        self._local_rank = self._local_device_ids = self._world_device_ids = None
+
+    def _generate_role(self) -> None:
+        """Read the role from the environment, once (Paddle's)."""
+        if self._role_is_generated:
+            return
+        env = os.environ if self._environ is None else self._environ
         self._local_rank = env.get("PADDLE_RANK_IN_NODE")
         self._local_device_ids = env.get("PADDLE_LOCAL_DEVICE_IDS")
         self._world_device_ids = env.get("PADDLE_WORLD_DEVICE_IDS")
-        if not _check_mode(is_collective):
+        if not self._is_collective:
             self._parameter_server(*_ps_role(env))
             self._non_distributed = "PADDLE_PSERVERS_IP_PORT_LIST" not in env
             return
@@ -432,15 +474,17 @@ class PaddleCloudRoleMaker(_EndpointRoleMaker):
             env.get("PADDLE_CURRENT_ENDPOINT"),
             source="PADDLE_TRAINER_ENDPOINTS/PADDLE_TRAINER_ID",
         )
-        self._is_collective = is_collective
         self._non_distributed = not endpoints
 
+    @_role_query
     def _get_local_rank(self) -> str | None:
         return self._local_rank
 
+    @_role_query
     def _get_local_device_ids(self) -> str | None:
         return self._local_device_ids
 
+    @_role_query
     def _get_world_device_ids(self) -> str | None:
         return self._world_device_ids
 

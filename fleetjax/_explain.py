@@ -12,14 +12,19 @@ from __future__ import annotations
 import dataclasses
 import html
 import math
+import os
+import pathlib
 from collections.abc import Mapping
 from typing import Any
 
+import flax
 import jax
 import numpy as np
+import optax
 from jax.sharding import Mesh
 
 from fleetjax import hlo, targets
+from fleetjax.auto_parallel import view_of
 from fleetjax.cost import Seconds, collective_seconds, compiled_bytes, device_bytes, step_cost
 from fleetjax.step import TrainStep
 
@@ -50,6 +55,38 @@ class CollectiveUse:
     axes: tuple[str, ...] | None = None
     asynchronous: bool | None = None
     seconds: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Reshard:
+    """A layout change the compiled step holds: the collectives of one kind that move arrays
+    from one placement to another over the same mesh dimensions, for one operation of the
+    user's code.
+
+    Attributes:
+      op: the collective ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
+        "collective-permute").
+      change: the placements it moves between, on the dimensions it runs over, e.g.
+        "Shard(1) -> Replicate() over mp": an all-gather, "Partial() -> Replicate()" an
+        all-reduce, "Partial() -> Shard(d)" a reduce-scatter, "Shard -> Shard(d)" an
+        all-to-all, "stage -> next stage" a pipeline's hop. The dimensions are the user's
+        `ProcessMesh`'s where the step's mesh is a view of one (`dist.to_static`,
+        `dist.shard_optimizer`), else the mesh's axes.
+      count: how many such instructions the program holds (a loop's body once).
+      bytes: their results' bytes on a device, added up.
+      operation: the JAX operation it serves (XLA's metadata: "dot_general", its backward
+        "backward of dot_general", ...; "the updated state to its placement" for what XLA
+        records no operation of, the new state moved to where it lives).
+      source: where the user's code made that operation, "file:line (function)": the
+        innermost Python frame outside JAX, flax, optax and fleetjax ("" where XLA kept none).
+    """
+
+    op: str
+    change: str
+    count: int
+    bytes: int
+    operation: str
+    source: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +163,8 @@ class Explanation:
         counted as often as one step runs it.
       gpu: on a mesh of GPUs `fleetjax.targets` knows, what the step needs of them.
       traffic: on such a mesh, the payload per mesh axis (beside a formula's, if given).
+      reshards: every collective of the program as a layout change, with the user's
+        operation that needed it (`Reshard`).
     """
 
     params: int
@@ -138,6 +177,7 @@ class Explanation:
     collectives: tuple[CollectiveUse, ...]
     gpu: GpuEstimate | None = None
     traffic: tuple[AxisTraffic, ...] = ()
+    reshards: tuple[Reshard, ...] = ()
 
     def _bytes_rows(self) -> list[tuple[str, int]]:
         rows = [
@@ -164,6 +204,9 @@ class Explanation:
             lines += [_traffic_line(t) for t in self.traffic]
         if self.gpu is not None:
             lines += _estimate_lines(self.gpu)
+        if self.reshards:
+            lines.append("reshards (what moves, for which operation):")
+            lines += [_reshard_line(r) for r in self.reshards]
         return "\n".join(lines)
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
@@ -224,6 +267,13 @@ def _collective_line(c: CollectiveUse) -> str:
         return line
     _, _, _, _, axes, form, ms = _collective_cells(c)
     return f"{line}  over {axes:<14} {form:<5} ~{ms} ms"
+
+
+def _reshard_line(r: Reshard) -> str:
+    where = f" at {r.source}" if r.source else ""
+    return (
+        f"  {r.op:<18} {r.change:<40} x{r.count:<3} {r.bytes / MiB:9.3f} MiB  {r.operation}{where}"
+    )
 
 
 def _traffic_line(t: AxisTraffic) -> str:
@@ -290,6 +340,57 @@ def _collective_uses(text: str, mesh: Mesh, gpu: bool) -> tuple[CollectiveUse, .
         CollectiveUse(*key[:2], count, size, *key[2:], *((seconds,) if gpu else ()))
         for key, (count, size, seconds) in sorted(uses.items())
     )
+
+
+# The libraries' code, whose frames are not the user's operation.
+_LIBRARIES = tuple(
+    str(pathlib.Path(path).parent) + os.sep
+    for path in (jax.__file__, flax.__file__, optax.__file__, np.__file__, __file__)
+)
+
+
+def reshards(text: str, mesh: Mesh) -> tuple[Reshard, ...]:
+    """Every collective of the compiled module `text` (over `mesh`) as a `Reshard`, grouped by
+    kind, placement change, operation and source."""
+    frames = hlo.stack_frames(text)
+    view = view_of(mesh)
+    found: dict[tuple[str, str, str, str], tuple[int, int]] = {}
+    for c in hlo.collectives(text):
+        axes = _axes(c, mesh)
+        names = [view.dim_of(a) or a for a in axes] if view is not None else list(axes)
+        key = (c.op, _change(c, names), _operation(c.op_name), _source(frames.get(c.frame, ())))
+        count, size = found.get(key, (0, 0))
+        found[key] = (count + 1, size + c.result_bytes)
+    return tuple(Reshard(*key[:2], *found[key], *key[2:]) for key in sorted(found))
+
+
+def _change(c: hlo.Collective, dims: list[str]) -> str:
+    over = f" over {', '.join(dims)}" if dims else ""
+    d = c.dimensions[0] if c.dimensions else None
+    change = {
+        "all-gather": f"Shard({d}) -> Replicate()",
+        "all-reduce": "Partial() -> Replicate()",
+        "reduce-scatter": f"Partial() -> Shard({d})",
+        "all-to-all": f"Shard -> Shard({d})",
+        "collective-permute": "stage -> next stage",
+    }[c.op]
+    return change + over
+
+
+def _operation(op_name: str) -> str:
+    """ "dot_general" or "backward of dot_general" from XLA's op_name; without one, the
+    move of the updated state to where it lives (ZeRO's gather of the parameters)."""
+    if not op_name:
+        return "the updated state to its placement"
+    last = op_name.split(":")[0].rstrip(")").split("/")[-1]
+    return f"backward of {last}" if "transpose(" in op_name else last
+
+
+def _source(frames: tuple[hlo.Frame, ...]) -> str:
+    for f in frames:
+        if not f.file.startswith(_LIBRARIES) and "/site-packages/" not in f.file:
+            return f"{pathlib.Path(f.file).name}:{f.line} ({f.function})"
+    return ""
 
 
 def _axes(c: hlo.Collective, mesh: Mesh) -> tuple[str, ...]:
@@ -398,6 +499,7 @@ def explain(
         collectives=uses,
         gpu=None if target is None else _gpu_estimate(step, compiled, target, offloaded),
         traffic=() if target is None else _traffic(uses, step.mesh, formula),
+        reshards=reshards(compiled.as_text(), step.mesh),
     )
     if show:
         print(report)

@@ -7,6 +7,8 @@
   of the module runs: a while loop's body its known trip count times, a conditional's branch
   `choose` picks, fusions and calls once per call (XLA's own cost analysis counts a loop once);
 * `computations(text)` and `while_loop(line)`: the module's computations and its loops;
+* `stack_frames(text)`: the Python stacks the instructions came from (a collective's
+  `Collective.frame`);
 * `overlap(text, compute, communicate)`: how much of the asynchronous collectives' time the
   schedule can hide behind the computation it places between each ``-start`` and its
   ``-done``.
@@ -37,6 +39,9 @@ _MESH_GROUPS = re.compile(
     r"(?:,\s*device_ids=\(" + _IOTA + r"\))?"  # a transposed device order
     r"\s*\{(?P<names>[^}]*)\}"
 )
+_DIMENSIONS = re.compile(r"\bdimensions=\{([\d,]*)\}")
+_OP_NAME = re.compile(r'\bop_name="([^"]*)"')
+_FRAME = re.compile(r"\bstack_frame_id=(\d+)")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 _BITS = {"pred": 8, "s8": 8, "u8": 8, "f8e4m3fn": 8, "f8e5m2": 8}
@@ -57,6 +62,11 @@ class Collective:
         ``mesh.devices.flat``.
       asynchronous: whether XLA scheduled it as a ``-start`` / ``-done`` pair, so that
         computation can run while it communicates.
+      dimensions: the dimensions an all-gather concatenates, a reduce-scatter splits, an
+        all-to-all exchanges (empty for the others).
+      op_name: the JAX operation XLA says it serves (its metadata), e.g.
+        "jit(train_step)/transpose(jvp())/dot_general" (a matmul's backward).
+      frame: its stack frame id (`stack_frames`), or None.
     """
 
     op: str
@@ -65,6 +75,9 @@ class Collective:
     pairs: tuple[tuple[int, int], ...] = ()
     groups: tuple[tuple[int, ...], ...] | None = dataclasses.field(default=None, compare=False)
     asynchronous: bool = dataclasses.field(default=False, compare=False)
+    dimensions: tuple[int, ...] = dataclasses.field(default=(), compare=False)
+    op_name: str = dataclasses.field(default="", compare=False)
+    frame: int | None = dataclasses.field(default=None, compare=False)
 
     @property
     def arrays(self) -> list[tuple[str, tuple[int, ...]]]:
@@ -173,8 +186,63 @@ def collectives(hlo_text: str) -> list[Collective]:
             size = len(groups[0]) if groups and not pairs else None
             started = bool(m["start"])
             shape = _result_shape(m["op"], m["shape"], started)
-            found.append(Collective(m["op"], shape, size, pairs, groups, asynchronous=started))
+            dims = _DIMENSIONS.search(line)
+            name, frame = _OP_NAME.search(line), _FRAME.search(line)
+            found.append(
+                Collective(
+                    m["op"],
+                    shape,
+                    size,
+                    pairs,
+                    groups,
+                    asynchronous=started,
+                    dimensions=tuple(int(d) for d in dims[1].split(",") if d) if dims else (),
+                    op_name=name[1] if name else "",
+                    frame=int(frame[1]) if frame else None,
+                )
+            )
     return found
+
+
+class Frame(NamedTuple):
+    """A Python stack frame a compiled instruction came from."""
+
+    file: str
+    function: str
+    line: int
+
+
+def stack_frames(hlo_text: str) -> dict[int, tuple[Frame, ...]]:
+    """The module's stack frames by id (an instruction's ``stack_frame_id``), each the whole
+    Python stack, innermost frame first (XLA's ``FileNames``, ``FunctionNames``,
+    ``FileLocations`` and ``StackFrames`` tables; empty where the text has none)."""
+    tables = {}
+    for name in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+        section = hlo_text.split(f"\n{name}\n", 1)
+        rows = section[1].split("\n\n", 1)[0].splitlines() if len(section) > 1 else []
+        tables[name] = {int(r.split(" ", 1)[0]): r.split(" ", 1)[1] for r in rows if r.strip()}
+    files, functions = tables["FileNames"], tables["FunctionNames"]
+
+    def field(text: str, key: str) -> int:
+        return int(re.search(rf"\b{key}=(\d+)", text)[1])  # type: ignore[index]
+
+    def location(i: int) -> Frame:
+        loc = tables["FileLocations"][i]
+        return Frame(
+            files[field(loc, "file_name_id")].strip('"'),
+            functions[field(loc, "function_name_id")].strip('"'),
+            field(loc, "line"),
+        )
+
+    @functools.cache
+    def stack(i: int) -> tuple[Frame, ...]:
+        row = tables["StackFrames"].get(i)
+        if row is None:
+            return ()
+        parent = field(row, "parent_frame_id") - 1  # XLA writes the parent's id plus one
+        return (location(field(row, "file_location_id")), *(stack(parent) if parent < i else ()))
+
+    return {i: stack(i) for i in sorted(tables["StackFrames"])}
 
 
 # -- one call of a module: every instruction, loops and branches accounted for ---------------

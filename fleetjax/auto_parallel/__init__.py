@@ -1,6 +1,7 @@
 """Paddle 3's auto-parallel values on JAX: `ProcessMesh`, the placements `Shard`, `Replicate`
 and `Partial`, distributed tensors as `jax.Array`s (`shard_tensor`, `reshard`, `local_map`,
-`dtensor_*`), and checkpoints that reshard (`save_state_dict`, `load_state_dict`).
+`dtensor_*`), checkpoints that reshard (`save_state_dict`, `load_state_dict`), and a
+`ProcessMesh` seen through a train step's mesh (`MeshView`).
 
 `fleetjax.distributed` is the Paddle-named surface (`paddle.distributed`) over these.
 """
@@ -25,9 +26,11 @@ from fleetjax.auto_parallel._tensor import (
     placements_of,
     process_mesh_of,
     reshard,
+    reshard_scope,
     shard_tensor,
     unshard_dtensor,
 )
+from fleetjax.auto_parallel._views import MeshView, register_view, view_of
 
 __all__ = [
     "ProcessMesh",
@@ -51,6 +54,10 @@ __all__ = [
     "get_mesh",
     "save_state_dict",
     "load_state_dict",
+    "MeshView",
+    "register_view",
+    "reshard_scope",
+    "view_of",
     "COLLECTIVE",
     "Layout",
     "Step",

@@ -30,6 +30,7 @@ from fleetjax.auto_parallel._placements import (
 )
 from fleetjax.auto_parallel._process_mesh import ProcessMesh, known_mesh
 from fleetjax.auto_parallel._reshard import Layout, compiled_transition, transition
+from fleetjax.auto_parallel._views import view_of, views_of
 
 
 def is_traced(x: Any) -> bool:
@@ -55,6 +56,9 @@ def placements_of(x: Any) -> list[Placement] | None:
     sharding = sharding_of(x)
     if sharding is None:
         return None
+    view = view_of(sharding.mesh)
+    if view is not None:  # a train step's array, read as the user placed it
+        return placements_of_spec(view.to_user(sharding.spec), view.process_mesh.dim_names)
     return placements_of_spec(sharding.spec, list(sharding.mesh.axis_names))
 
 
@@ -65,6 +69,9 @@ def process_mesh_of(x: Any) -> ProcessMesh | None:
     sharding = sharding_of(x)
     if sharding is None:
         return None
+    view = view_of(sharding.mesh)
+    if view is not None:
+        return view.process_mesh
     if isinstance(sharding.mesh, AbstractMesh):
         return known_mesh(sharding.mesh)
     return ProcessMesh.from_jax(sharding.mesh)
@@ -101,6 +108,8 @@ def place_as(x: Any, target: Mesh | AbstractMesh, spec: PartitionSpec) -> jax.Ar
     if same_mesh and Layout.of(source.spec, rank) == Layout.of(spec, rank):
         return x
     if is_traced(x):
+        if source is None and (constrained := _in_train_step(x, target, spec)) is not None:
+            return constrained
         if source is not None and source.mesh != abstract:
             raise ValueError(
                 f"inside a traced function an array moves within its mesh only: it is on "
@@ -201,6 +210,32 @@ def reshard(dist_tensor: Any, mesh: ProcessMesh, placements: Sequence[Placement]
     """
     spec = _spec(mesh, placements, np.shape(dist_tensor), "reshard's dist_tensor")
     return place_as(dist_tensor, mesh.jax_mesh, spec)
+
+
+def _in_train_step(x: Any, target: Mesh | AbstractMesh, spec: PartitionSpec) -> Any:
+    """`x`, traced on a train step's `Auto` axes that view `target` (`MeshView`), laid out as
+    `spec` says: a constraint, whose collectives XLA chooses, in a name scope that
+    `fleetjax.explain` reads back; None where no view of `target` is being traced."""
+    found = [
+        v
+        for v in views_of(jax.sharding.get_abstract_mesh())
+        if target in (v.process_mesh.jax_mesh, v.process_mesh.jax_mesh.abstract_mesh)
+    ]
+    if not found:
+        return None
+    placements = placements_of_spec(spec, list(target.axis_names))
+    if spec.unreduced:
+        raise ValueError(
+            f"a reshard to {placements} inside a train step: the step's axes are Auto, where "
+            "a pending sum (Partial) is not a layout; reshard to Replicate() or Shard()"
+        )
+    with jax.named_scope(reshard_scope(placements)):
+        return jax.lax.with_sharding_constraint(x, found[0].to_step(spec))
+
+
+def reshard_scope(placements: Sequence[Placement]) -> str:
+    """The name scope of a reshard to `placements` (`fleetjax.explain` reads it back)."""
+    return "reshard->" + ",".join(map(repr, placements)).replace(" ", "")
 
 
 def _dist_parts(x: Any, what: str) -> tuple[ProcessMesh, list[Placement]]:

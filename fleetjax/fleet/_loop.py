@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from fleetjax._batch import check_batch
 from fleetjax.distributed_optimizer import DistributedOptimizer
 from fleetjax.fleet._dygraph import (
     DeferredLoss,
@@ -67,11 +68,12 @@ class DygraphLoop:
         self.steps = 0
         self.batch_spec: Any = None
         self._trainer: Trainer | None = None
+        self._trained_loss: Callable[..., Any] | None = None  # the loss the Trainer trains
         self._pending_lr: float | None = None  # set_lr before the Trainer
         self._pending_state: Mapping[str, Any] | None = None  # set_state_dict before it
         self._held: DeferredLoss | None = None  # backward() called, step() not yet
         self._applied: tuple[DeferredLoss, jax.Array] | None = None  # the last step's loss
-        self._forwards: dict[Callable[..., Any], Callable[..., Any]] = {}
+        self._forwards: dict[tuple[Callable[..., Any], Any], Callable[..., Any]] = {}
         self._closed = False
 
     # -- set-up, by the fleet ---------------------------------------------------------------------
@@ -220,6 +222,7 @@ class DygraphLoop:
 
     def abstract(self, output: ModelOutput) -> jax.ShapeDtypeStruct:
         """The outputs' shape and dtype (nothing runs)."""
+        self._checked(output.batch)
         graphdef, state = nnx.split(self.model)
         fn = lambda state, batch: call_model(nnx.merge(graphdef, state), batch)  # noqa: E731
         return jax.eval_shape(fn, state, output.batch)
@@ -240,7 +243,7 @@ class DygraphLoop:
     def _trainer_for(self, loss_fn: Callable[..., Any]) -> Trainer:
         """The Trainer for `loss_fn`; another loss function gets a new one that goes on from the
         current state."""
-        if self._trainer is not None and self._trainer.loss_fn == loss_fn:
+        if self._trainer is not None and self._trained_loss == loss_fn:
             return self._trainer
         if self.model is None:
             raise RuntimeError("call fleet.distributed_model(model) before training with the fleet")
@@ -248,16 +251,21 @@ class DygraphLoop:
             raise RuntimeError(
                 "call fleet.distributed_optimizer(optimizer) before training with the fleet"
             )
-        state = None if self._trainer is None else self._trainer.state
-        trainer = Trainer(
-            loss_fn, self.model, self.optimizer, param_specs=self.param_specs, state=state
-        )
+        trainer = self.make_trainer(loss_fn, None if self._trainer is None else self._trainer.state)
         if self._pending_state is not None:
             trainer.set_state_dict(self._pending_state)
         if self._pending_lr is not None:
             trainer.set_lr(self._pending_lr)
         self._trainer, self._pending_lr, self._pending_state = trainer, None, None
+        self._trained_loss = loss_fn
         return trainer
+
+    def make_trainer(self, loss_fn: Callable[..., Any], state: Any) -> Trainer:
+        """The `Trainer` of `loss_fn(model, batch)` for the model and the optimizer, going on
+        from `state` (a `TrainState`; None: a fresh one)."""
+        return Trainer(
+            loss_fn, self.model, self.optimizer, param_specs=self.param_specs, state=state
+        )
 
     def _checked_optimizer(self) -> DistributedOptimizer:
         if self.optimizer is None:
@@ -272,17 +280,13 @@ class DygraphLoop:
         return value
 
     def _placed(self, trainer: Trainer, loss: DeferredLoss) -> Any:
-        """`loss`'s batch placed for the step, or the step's error naming the model's arguments
-        and the loss's label as the user wrote them (not the batch they are put in)."""
-        try:
-            return trainer.train_step.shard_batch(loss.batch)
-        except (TypeError, ValueError) as e:
-            text = str(e)
-            for path, _ in jax.tree_util.tree_leaves_with_path(loss.batch):
-                name = "batch" + jax.tree_util.keystr(path)
-                if text.startswith(f"{name} "):
-                    text = user_name(path) + text[len(name) :]
-            raise type(e)(text) from None
+        """`loss`'s batch placed for the step."""
+        return _in_user_terms(loss.batch, trainer.train_step.shard_batch)
+
+    def _checked(self, batch: Any) -> None:
+        """Check that `batch`'s rows split over the data-parallel devices before the model
+        sees it (a layer's own check, e.g. BatchNorm's, would name the wrong thing)."""
+        _in_user_terms(batch, lambda batch: check_batch(batch, self.mesh))
 
     def _forward(self, fn: Callable[..., Any], batch: Any, made: ModelOutput) -> jax.Array:
         """`fn(model, batch)` on a copy of the model (its variables unchanged: batch-norm
@@ -294,11 +298,13 @@ class DygraphLoop:
                 "with numpy() or item() before optimizer.step(), or after the step that "
                 "applied it"
             )
+        self._checked(batch)
         graphdef, state = nnx.split(self.model)
-        if fn not in self._forwards:
-            self._forwards[fn] = jax.jit(lambda state, b: fn(nnx.merge(graphdef, state), b))
+        # By graph too: a module switched to eval() (dropout off) has another graph.
+        if (fn, graphdef) not in self._forwards:
+            self._forwards[fn, graphdef] = jax.jit(lambda s, b: fn(nnx.merge(graphdef, s), b))
         with jax.set_mesh(self.mesh):
-            return self._forwards[fn](state, batch)
+            return self._forwards[fn, graphdef](state, batch)
 
     def _check(self, loss: DeferredLoss) -> None:
         if self._closed or loss.runner is not self:
@@ -375,3 +381,17 @@ class DygraphCalls:
 
 # Paddle's dygraph optimizer calls, as the table names them.
 CALLS = tuple(name for name in vars(DygraphCalls) if not name.startswith("_"))
+
+
+def _in_user_terms(batch: Any, check: Callable[[Any], Any]) -> Any:
+    """`check(batch)`, its error naming the model's arguments and the loss's label as the user
+    wrote them (not as the leaves of the batch they are put in)."""
+    try:
+        return check(batch)
+    except (TypeError, ValueError) as e:
+        text = str(e)
+        for path, _ in jax.tree_util.tree_leaves_with_path(batch):
+            name = "batch" + jax.tree_util.keystr(path)
+            if text.startswith(f"{name} "):
+                text = user_name(path) + text[len(name) :]
+        raise type(e)(text) from None

@@ -282,7 +282,8 @@ class Trainer:
         return self.metrics["loss"]
 
     def _first_replica(self, state: TrainState) -> Any:
-        """`state`'s parameters; replica 0's where its placement keeps them per replica."""
+        """`state`'s parameters, replica 0's where they are stacked per replica (the
+        placement of `state` itself: a Trainer that goes on from another's state made none)."""
         if self.train_step.spec(state).placement.stacked.params:
             return jax.tree.map(lambda x: x[0], state.params)
         return state.params

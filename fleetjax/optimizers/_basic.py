@@ -33,10 +33,14 @@ class PaddleOptimizer(optax.GradientTransformationExtraArgs):
         "Lamb" or "DGCMomentum".
       hyperparams: the constructor's arguments by name (the learning rate as given: a number
         or an optax schedule).
+      parameter_list: the classes' `parameters=` (Paddle's `_parameter_list`), or None: the
+        parameters of a `fleetjax.nn.Layer` bind it to the optimizer for
+        `fleetjax.distributed.shard_optimizer`.
     """
 
     kind: str
     hyperparams: Mapping[str, Any]
+    parameter_list: Any
 
     def __new__(
         cls,
@@ -48,6 +52,7 @@ class PaddleOptimizer(optax.GradientTransformationExtraArgs):
         self = super().__new__(cls, init, update)
         self.kind = kind
         self.hyperparams = types.MappingProxyType(dict(hyperparams or {}))
+        self.parameter_list = None
         return self
 
     def __repr__(self) -> str:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from fleetjax._warnings import warn_once
+from fleetjax.nn import Parameters
 from fleetjax.optimizers import _basic
 from fleetjax.optimizers._basic import LearningRate, PaddleOptimizer, check_number, clip_by_norm
 
@@ -129,7 +130,7 @@ class SGD(PaddleOptimizer):
         def build(clip: float | None) -> PaddleOptimizer:
             return _basic.sgd(learning_rate, weight_decay=decay, clip_norm=clip)
 
-        return _made(cls, build, grad_clip)
+        return _made(cls, build, grad_clip, parameters)
 
 
 class Momentum(PaddleOptimizer):
@@ -165,7 +166,7 @@ class Momentum(PaddleOptimizer):
                 clip_norm=clip,
             )
 
-        return _made(cls, build, grad_clip)
+        return _made(cls, build, grad_clip, parameters)
 
 
 class Adam(PaddleOptimizer):
@@ -205,7 +206,7 @@ class Adam(PaddleOptimizer):
                 learning_rate, beta1, beta2, epsilon, weight_decay=decay, clip_norm=clip
             )
 
-        return _made(cls, build, grad_clip)
+        return _made(cls, build, grad_clip, parameters)
 
 
 class AdamW(PaddleOptimizer):
@@ -253,17 +254,29 @@ class AdamW(PaddleOptimizer):
         def build(clip: float | None) -> PaddleOptimizer:
             return _basic.adamw(learning_rate, beta1, beta2, epsilon, weight_decay, clip_norm=clip)
 
-        return _made(cls, build, grad_clip)
+        return _made(cls, build, grad_clip, parameters)
 
 
 def _made(
     cls: type[PaddleOptimizer],
     build: Callable[[float | None], PaddleOptimizer],
     grad_clip: GradClip | None,
+    parameters: Any,
 ) -> Any:
-    """`build(clip_norm)` as an instance of `cls`. A per-tensor clip is the function's own
-    `clip_norm`; a global-norm or by-value clip goes first in a chain and is kept in the
-    hyperparameters as `grad_clip`, where a strategy's rebuild finds it."""
+    """`build(clip_norm)` as an instance of `cls`, keeping `parameters` (Paddle's
+    `_parameter_list`). A per-tensor clip is the function's own `clip_norm`; a global-norm or
+    by-value clip goes first in a chain and is kept in the hyperparameters as `grad_clip`,
+    where a strategy's rebuild finds it."""
+    optimizer = _clipped(cls, build, grad_clip)
+    optimizer.parameter_list = parameters
+    return optimizer
+
+
+def _clipped(
+    cls: type[PaddleOptimizer],
+    build: Callable[[float | None], PaddleOptimizer],
+    grad_clip: GradClip | None,
+) -> Any:
     if grad_clip is None or isinstance(grad_clip, ClipGradByNorm):
         made = build(None if grad_clip is None else grad_clip.clip_norm)
         return PaddleOptimizer.__new__(cls, made.init, made.update, made.kind, made.hyperparams)
@@ -317,9 +330,11 @@ def _no_effect(parameters: Any, **flags: bool) -> None:
             "parameter groups (dicts in parameters=) are not supported: give each group its "
             "own settings with optax.multi_transform"
         )
-    given = {"parameters": parameters is not None, **{k: bool(v) for k, v in flags.items()}}
+    # A Layer's parameters() bind the layer: Paddle's auto-parallel dygraph loop trains it.
+    bound = isinstance(parameters, Parameters)
+    given = {"parameters": parameters is not None and not bound, **flags}
     for name, is_set in given.items():
-        if is_set:
+        if bool(is_set):
             warn_once(f"the optimizer's {name}= has no effect in fleetjax: {_WHY[name]}")
 
 

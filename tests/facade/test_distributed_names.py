@@ -2,7 +2,7 @@
 Paddle's parameters (names, kinds, order, defaults), as Paddle itself stated them in
 tests/data/paddle3.3.1_distributed_signatures.json (written once by
 tests/data/write_signatures_with_paddle.py); the members issue 31 names too. It exports
-exactly those names, less the ones phase 2 builds, plus fleetjax's own listed below."""
+exactly those names, plus fleetjax's own listed below."""
 
 import enum
 import inspect
@@ -16,27 +16,7 @@ import fleetjax.distributed as dist
 
 DATA = pathlib.Path(__file__).parents[1] / "data" / "paddle3.3.1_distributed_signatures.json"
 PADDLE = json.loads(DATA.read_text())["names"]
-PENDING_PHASE_2 = (
-    "shard_layer",
-    "shard_optimizer",
-    "ShardingStage1",
-    "ShardingStage2",
-    "ShardingStage3",
-    "shard_scaler",
-    "shard_dataloader",
-    "to_static",
-    "DistModel",
-    "parallelize",
-    "ColWiseParallel",
-    "RowWiseParallel",
-    "SequenceParallelBegin",
-    "SequenceParallelEnd",
-    "SequenceParallelEnable",
-    "SequenceParallelDisable",
-    "PrepareLayerInput",
-    "PrepareLayerOutput",
-    "SplitPoint",
-)
+PENDING_PHASE_2: tuple[str, ...] = ()  # every name is built
 FLEETJAX_OWN = ("placements_of", "process_mesh_of")  # Paddle's t.placements as functions
 BUILT = sorted(set(PADDLE) - set(PENDING_PHASE_2))
 

@@ -124,8 +124,13 @@ def test_a_batch_that_does_not_split_is_named_as_the_user_wrote_it(fresh_fleet):
         nn.CrossEntropyLoss()(dp_model(x), y).backward()
     assert "batch[" not in str(raised.value)
     (x, _), *_ = data(1)
-    with pytest.raises(ValueError, match=rf"^the loss's label {rows}"):
+    # A label of other rows than the outputs: the loss layer names both, before the step.
+    with pytest.raises(
+        ValueError, match=r"^CrossEntropyLoss: input has shape \[16, 3\] and label \[10\]"
+    ):
         adam.minimize(nn.CrossEntropyLoss()(dp_model(x), y))
+    with pytest.raises(ValueError, match=rf"^the distributed model's argument 0 {rows}"):
+        dp_model(x[:10]).numpy()  # the forward alone checks the rows too
 
 
 def test_nnx_functions_see_the_module(fresh_fleet):

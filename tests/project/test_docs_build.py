@@ -56,6 +56,7 @@ PUBLIC_MODULES = (
     "fleetjax.auto_parallel",
     "fleetjax.auto_parallel.tables",
     "fleetjax.distributed",
+    "fleetjax.amp",
 )
 
 

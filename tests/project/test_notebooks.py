@@ -46,6 +46,7 @@ def test_the_notebooks_are_there():
         "04_optimizers.ipynb",
         "05_migrating_from_paddle.ipynb",
         "06_input_pipeline.ipynb",
+        "07_auto_parallel.ipynb",
     ]
 
 

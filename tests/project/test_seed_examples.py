@@ -126,6 +126,15 @@ SLOW = [  # about 15 s or more each on 2 cores, or the same switches as a FAST o
     ),
     ("001_memory.py", check_001_memory),
     ("001_prototxt_and_programs.py", check_001_programs),
+    # 002_strategy.py's Strategy through dist.to_static, the pipeline's stages by parallelize
+    (
+        "002_to_static.py",
+        pipelined(
+            r"pipeline +1F1B over pp=2, micro_batch_size=2, accumulate_steps=2",
+            r"sharding +ZeRO stage 2 over sharding=2",
+            r"gradient merge +k_steps=2",
+        ),
+    ),
     (
         "002_strategy_sections.py",
         sections("sharding", "gradient_merge", "fused_passes", "pipeline"),

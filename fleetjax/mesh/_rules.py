@@ -68,7 +68,10 @@ def spec_axes(spec: PartitionSpec) -> tuple[str, ...]:
 ZERO_MIN_ELEMENTS = 4096
 
 
-def zero_axes(mesh: Mesh, spec: PartitionSpec = PartitionSpec()) -> tuple[str, ...]:
+_WHOLE = PartitionSpec()
+
+
+def zero_axes(mesh: Mesh, spec: PartitionSpec = _WHOLE) -> tuple[str, ...]:
     """The axes ZeRO splits a tensor laid out as `spec` over: the mesh's ZeRO axes
     (`fleetjax.vocabulary.ZERO_AXES`, Paddle's sharding group) of more than one device that
     `spec` does not split over already (an expert's `ep`: its ZeRO group is Paddle's

@@ -58,9 +58,9 @@ def program(
     over the data axes, which a reducer that scatters must not leave them). `param_specs` says
     where the parameters are (default whole over the data axes): a parameter split over a data
     axis (ZeRO-3) is gathered in each tick that uses it, except where `owned_specs` says the
-    model splits it so itself (a MoE layer's experts over ``ep``). Every micro-batch sees `model_state`;
-    of the new states, the floating ones are averaged over every replica's micro-batches and
-    the others are the last micro-batch's (of the last replica), as
+    model splits it so itself (a MoE layer's experts over ``ep``). Every micro-batch sees
+    `model_state`; of the new states, the floating ones are averaged over every replica's
+    micro-batches and the others are the last micro-batch's (of the last replica), as
     `gradient_merge.microbatched` does.
     """
     table = timetable(schedule)

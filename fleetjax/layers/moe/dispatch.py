@@ -183,7 +183,8 @@ def layout(
     stacked experts' other dimensions over; none for experts applied tile by tile, which run
     whole), and the token axes: where the logical `token_names` split the tokens, then every
     other axis, so that no two devices dispatch the same token. Axes the mesh lacks are left
-    out; manual axes are held (the expert axes) or already split (the tokens).
+    out, and so are axes of one device; manual axes are held (the expert axes) or already
+    split (the tokens).
 
     Raises:
       ValueError: if the expert axes do not divide `num_experts`, or a held expert axis comes
@@ -195,14 +196,14 @@ def layout(
     free = set(free_axes(mesh))
     if expert_axes is None:
         expert_axes = _axes(logical_to_spec(("expert",))[0])
-    experts = tuple(a for a in expert_axes if a in mesh.axis_names)
+    experts = tuple(a for a in expert_axes if a in mesh.axis_names and mesh.shape[a] > 1)
     held = tuple(a for a in experts if a not in free)
     if experts[: len(held)] != held:
         raise ValueError(
             f"MoELayer: the expert axes {experts} hold {held} in an enclosing shard_map, which "
             "must come first (the experts split in contiguous blocks, the first axis major)"
         )
-    if not free and math.prod(mesh.shape[a] for a in held) == 1:
+    if not free and not held:
         return Layout(None)
     tensor: tuple[str, ...] = ()
     if grouped and free:

@@ -75,11 +75,18 @@ def init(gpt, ep):
     return step, step.init(params, model_state=model.model_state())
 
 
-def test_the_loss_adds_the_aux_losses_and_reports_each_layers_load(gpt, batch):
+def first_call(gpt, batch):
+    """The loss, metrics and load of the MoE GPT's loss at its first state."""
     model, params = gpt
-    assert model.has_aux and model.has_state
     loss, metrics, state = jax.jit(model.loss_fn)(params, model.model_state(), batch)
-    load = model.moe_load(state)
+    return loss, metrics, model.moe_load(state)
+
+
+@pytest.mark.slow  # 10 s, and 20 s to build the MoE GPT
+def test_the_loss_reports_each_layers_load(gpt, batch):
+    model, _ = gpt
+    assert model.has_aux and model.has_state
+    _, metrics, load = first_call(gpt, batch)
     tokens = batch["tokens"].shape[0] * (batch["tokens"].shape[1] - 1)
     np.testing.assert_array_equal(load.tokens_per_expert.sum(axis=1), [tokens * TOP_K] * LAYERS)
     counts = np.asarray(load.tokens_per_expert)
@@ -90,12 +97,18 @@ def test_the_loss_adds_the_aux_losses_and_reports_each_layers_load(gpt, batch):
     assert np.all(np.asarray(load.aux_loss) > 0)
     names = ("max_violation", "dropped", "rounds", "aux_loss")
     assert set(metrics) == {f"moe/blocks/{i}/{n}" for i in range(LAYERS) for n in names}
+    with pytest.raises(ValueError, match="moe_aux_loss_coeff=0.01: the pipeline cut"):
+        model.pipeline_layer()
+
+
+@pytest.mark.slow
+def test_the_loss_is_the_language_models_plus_the_aux_losses(gpt, batch):
+    model, params = gpt
+    loss, _, load = first_call(gpt, batch)
     no_aux, _ = make_gpt(dataclasses.replace(CONFIG, moe_aux_loss_coeff=0.0))
     lm_loss, _, _ = jax.jit(no_aux.loss_fn)(params, model.model_state(), batch)
     np.testing.assert_allclose(loss, lm_loss + load.aux_loss.sum(), rtol=1e-6)
     no_aux.pipeline_layer()  # trains all it has
-    with pytest.raises(ValueError, match="moe_aux_loss_coeff=0.01: the pipeline cut"):
-        model.pipeline_layer()
 
 
 @pytest.mark.slow

@@ -453,8 +453,8 @@ class CheckpointManager:
 
         Raises:
           TypeError, ValueError: if `step` is not a non-negative int.
-          ValueError: if checkpoint `step` already exists, or a folder that is not a
-            checkpoint has its name.
+          ValueError: if checkpoint `step` already exists, a folder that is not a checkpoint
+            has its name, or `max_to_keep` newer checkpoints exist (it would be deleted at once).
           RuntimeError: if the previous background save failed.
         """
         if self.read_only or self._closed:
@@ -464,8 +464,17 @@ class CheckpointManager:
         if step % self.save_interval_steps and not force:
             return False  # decided here: asking orbax costs as much as a small training step
         self.wait_until_finished()
-        if step in self.all_steps():
+        steps = self.all_steps()
+        if step in steps:
             raise ValueError(f"checkpoint {step} already exists in {self.directory}")
+        newer = [s for s in steps if s > step]
+        if self.max_to_keep is not None and len(newer) >= self.max_to_keep:
+            # It would be the oldest of more than max_to_keep, deleted as soon as it is written.
+            raise ValueError(
+                f"checkpoint {step} would be deleted at once: {self.directory} keeps the newest "
+                f"max_to_keep={self.max_to_keep} and holds {len(newer)} newer ({newer}); save "
+                "under a step after them, or raise max_to_keep"
+            )
         if os.path.lexists(self._path(step)):
             raise ValueError(
                 f"{self._path(step)} exists and is not a checkpoint (it has no {MANIFEST}/ "

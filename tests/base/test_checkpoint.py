@@ -145,6 +145,15 @@ def test_manager_keeps_n_saves_every_k_steps_in_the_background(tmp_path):
     assert extra == {"data_position": 63}
     with pytest.raises(ValueError, match="already exists"):
         manager.save(10, states[10])
+    # max_to_keep=3 and three newer: step 1 would be pruned as soon as it is written.
+    manager.save(8, states[8], force=True)
+    message = (
+        r"^checkpoint 1 would be deleted at once: .* keeps the newest max_to_keep=3 "
+        r"and holds 3 newer \(\[8, 9, 10\]\)"
+    )
+    with pytest.raises(ValueError, match=message):
+        manager.save(1, states[1], force=True)
+    assert manager.all_steps() == [8, 9, 10]
     manager.close()
 
 

@@ -15,7 +15,6 @@ tensor-parallel devices.
     python examples/train_gpt.py --dp 1 --sep 2                 # segment parallelism x pp2 x mp2
     python examples/train_gpt.py --dp 1 --pp 1 --sharding 4 --cp 2 --sequence-parallel
     python examples/train_gpt.py --tensorboard runs/gpt         # needs tensorboardX
-    python examples/train_gpt.py --dp 1 --pp 1 --mp 1 --sharding 8 --ep 8 --num-experts 8
 
 Flags are set on top of the strategy file (or, without one, of dp2 x pp2 x mp2 with a 1F1B
 pipeline of 4 micro-batches of 4 rows). The batches are windows of the text, shuffled by
@@ -66,13 +65,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=64, help="the residual width")
     parser.add_argument("--heads", type=int, default=8, help="attention heads")
     parser.add_argument(
-        "--num-experts",
-        type=int,
-        default=0,
-        help="a mixture of experts in each block: this many SwiGLU experts (0: the dense MLP)",
-    )
-    parser.add_argument("--top-k", type=int, default=2, help="experts each token goes to")
-    parser.add_argument(
         "--dropout",
         type=float,
         default=0.0,
@@ -92,13 +84,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     switches = parser.add_argument_group("strategy switches (set on top of --strategy)")
     for axis, what in DEGREES.items():
         switches.add_argument(f"--{axis}", type=int, metavar="N", help=what)
-    switches.add_argument(
-        "--ep",
-        type=int,
-        metavar="N",
-        help="expert-parallel degree (Paddle's ep_degree): the experts split over N of the "
-        "sharding x mp devices, moe_sharding_degree the rest (needs --num-experts)",
-    )
     switches.add_argument("--stage", type=int, choices=(1, 2, 3), help="the ZeRO stage")
     switches.add_argument("--micro-batches", type=int, metavar="M", help="accumulate_steps")
     switches.add_argument(
@@ -164,8 +149,6 @@ def strategy_from(args: argparse.Namespace) -> fleetjax.DistributedStrategy:
         if not s.sharding:
             raise SystemExit(f"--stage {args.stage} needs ZeRO sharding: give --sharding N > 1")
         s.sharding_configs = {"stage": args.stage}
-    if args.ep is not None:
-        s.hybrid_configs = expert_degrees(s, args.ep, args.num_experts)
     if args.pp is not None:
         s.pipeline = args.pp > 1
     if args.micro_batches is not None:
@@ -191,21 +174,6 @@ def strategy_from(args: argparse.Namespace) -> fleetjax.DistributedStrategy:
             f"--mp N > 1 (mp_degree is {s.hybrid_configs['mp_degree']})"
         )
     return s
-
-
-# Paddle's order of its examples with expert parallelism: all eight names.
-EXPERT_ORDER = ["sharding", "moe_sharding", "pp", "sep", "cp", "dp", "ep", "mp"]
-
-
-def expert_degrees(s: fleetjax.DistributedStrategy, ep: int, num_experts: int) -> dict:
-    """The hybrid_configs of `ep` expert-parallel devices: Paddle's eight-name order, and
-    moe_sharding_degree the rest of sharding x mp (Paddle's fold: ep x moe_sharding =
-    sharding x mp, checked by fleetjax's plan with Paddle's messages)."""
-    if not num_experts:
-        raise SystemExit(f"--ep {ep} splits the experts: give --num-experts N")
-    folded = s.hybrid_configs["sharding_degree"] * s.hybrid_configs["mp_degree"]
-    moe_sharding = folded // ep if folded % ep == 0 else 1
-    return {"order": EXPERT_ORDER, "ep_degree": ep, "moe_sharding_degree": moe_sharding}
 
 
 def corpus(module: str) -> np.ndarray:
@@ -358,13 +326,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         intermediate_size=4 * args.hidden,
         hidden_dropout_prob=args.dropout,
         sequence_parallel=args.sequence_parallel,
-        num_experts=args.num_experts,
-        num_experts_per_tok=args.top_k,
     )
     model, params = make_gpt(config, seed=args.seed)
-    specs = model.partition_specs(mesh=mesh)
-    if pipelined(strategy) and config.moe:
-        raise SystemExit("--num-experts: this example trains a MoE GPT without a pipeline: --pp 1")
+    specs = model.partition_specs()
     if pipelined(strategy):
         chunks = VIRTUAL_STAGES if strategy.pipeline_configs["schedule_mode"] in INTERLEAVED else 1
         # Each block is marked for recompute (model.loss_fn marks its own); the mark does
@@ -382,15 +346,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     optimizer = fleet.distributed_optimizer(
         fleetjax.optimizers.adamw(args.learning_rate, weight_decay=0.01)
     )
-    step = fleetjax.make_train_step(
-        loss_fn,
-        optimizer,
-        param_specs=specs,
-        has_rng=args.dropout > 0,
-        has_aux=model.has_aux,
-        has_state=model.has_state,
-    )
-    state = step.init(params, model_state=model.model_state())
+    step = fleetjax.make_train_step(loss_fn, optimizer, param_specs=specs, has_rng=args.dropout > 0)
+    state = step.init(params)
 
     rows = per_replica * data_parallel_size(mesh)
     tokens_per_step = rows * args.seq_len
@@ -412,10 +369,6 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "devices": mesh.devices.size,
         "mesh": dict(mesh.shape),
     }
-    if config.moe:
-        # Each layer's max over mean expert load, less 1, in the last step (MaxVio).
-        summary["max_violation"] = model.moe_load(state.model_state).max_violation.tolist()
-        print("MoE load of the last step, max/mean - 1 per layer:", summary["max_violation"])
     platform = mesh.devices.flat[0].platform
     print(
         f"\nloss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} | "

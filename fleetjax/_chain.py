@@ -95,7 +95,6 @@ def _reduced(
         reduce_fn,
         None if scattered is None else over_data(scattered),
         state_specs=over_data(placement.model_state),
-        owned=placement.owned,
         # The hierarchical ring's results are equal on every replica, which JAX cannot prove.
         check_vma=plan.hierarchical is None,
     )
@@ -245,7 +244,6 @@ def _pipelined(
         reducer=reducer,
         param_specs=spec_of(placement.params),
         grad_specs=None if scattered is None else spec_of(scattered),
-        owned_specs=placement.owned,
     )
     scale = None if loss_scale is None else loss_scale.loss_scale
 
@@ -275,7 +273,7 @@ def _reducer(
     if placement.scattered:  # each device ends with its shard
         grads = placement.grads
         specs = jax.tree.map(lambda s: restrict(s.spec, data_axes(mesh)), grads)
-        return grad_allreduce.scatter_mean(specs, placement.owned), grads
+        return grad_allreduce.scatter_mean(specs), grads
     replicas = data_parallel_size(mesh)
     dtype = jnp.dtype(plan.allreduce_dtype or jnp.float32)
     if plan.hierarchical is not None:
@@ -286,5 +284,5 @@ def _reducer(
     # XLA would all-reduce every micro-batch's gradient inside the loop).
     merged = plan.in_step_merge is not None and replicas > 1
     if pipelined or plan.allreduce_dtype is not None or merged:
-        return grad_allreduce.mean_in(dtype, placement.owned), None
+        return grad_allreduce.mean_in(dtype), None
     return None

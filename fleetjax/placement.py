@@ -3,13 +3,12 @@
 `place(plan, mesh, abstract_state, optimizer, ...)` computes it once, from shapes alone
 (nothing runs, so it works for meshes of compile-only devices too):
 
-* the batch: its leading dimension split over the data axes (`dp` x `sharding` x `ep`);
-* parameters: split by their logical axis names (or `param_specs`) over `mp`, a MoE layer's
-  experts over `ep` x `mp`, a pipeline's stacked layers over `pp`, and under ZeRO stage 3
-  also over the ZeRO axes (`zero_spec`: `sharding` x `ep`, an expert's over `sharding`);
-* gradients: as the parameters, under ZeRO stages 2 and 3 also over the ZeRO axes (under a
+* the batch: its leading dimension split over the data axes (`dp` x `sharding`);
+* parameters: split by their logical axis names (or `param_specs`) over `mp`, a pipeline's
+  stacked layers over `pp`, and under ZeRO stage 3 also over `sharding` (`zero_spec`);
+* gradients: as the parameters, under ZeRO stages 2 and 3 also over `sharding` (under a
   pipeline, stage 1 too: it reduce-scatters the whole gradients it accumulates);
-* optimizer state: as its parameters, under any ZeRO stage also over the ZeRO axes, in pinned
+* optimizer state: as its parameters, under any ZeRO stage also over `sharding`, in pinned
   host memory under `optimize_offload`;
 * model state (batch-norm statistics): by `state_specs` or logical axis names;
 * sparse tables (`fleetjax.layers.SparseTable`): rows split over every device, their rule's
@@ -20,9 +19,7 @@
   replica's gradient is its own, so the gradients have no placement.
 
 and the facts beside the shardings: which parts are stacked per replica (`stacked`), whether
-each device keeps only its shard of the gradients (`scattered`), which parameters the model
-splits over a data axis itself (`owned`: a MoE layer's experts over `ep`), a pipeline's
-`StageOrder`.
+each device keeps only its shard of the gradients (`scattered`), a pipeline's `StageOrder`.
 `TrainStep`, the gradient chain, `explain`, `auto` and `fleet.distributed_model` all read this
 one placement; its inputs (the plan, each tensor's own split in `param_specs`, the tables, the
 pipeline model) are the only ways to change it.
@@ -50,9 +47,7 @@ from fleetjax.mesh import (
     data_axes,
     data_parallel_size,
     replicated,
-    restrict,
     spec_axes,
-    zero_axes,
     zero_spec,
 )
 from fleetjax.plan import Plan
@@ -133,10 +128,6 @@ class Placement:
       scattered: whether each device keeps only its shard of the reduced gradients (ZeRO-2
         and 3 over a `sharding` axis of more than one device; under a pipeline, any stage).
       stage_order: the pipeline's stages and virtual stages (None: no pipeline).
-      owned: per parameter, the data axes the model itself splits it over (a MoE layer's
-        experts over `ep`), as `PartitionSpec`s over the data axes: each device's slice is a
-        parameter of its own, whose gradient is summed over the other data axes only and
-        which ZeRO never gathers. None where no parameter is split so (a dense model).
     """
 
     state: TrainState
@@ -147,7 +138,6 @@ class Placement:
     replicas: int = 1
     scattered: bool = False
     stage_order: StageOrder | None = None
-    owned: Any | None = None
 
     @property
     def params(self) -> Any:
@@ -229,38 +219,6 @@ def _check_mp_used(mesh: Mesh, specs: Any) -> None:
         )
 
 
-def _owned(plan: Plan, mesh: Mesh, specs: Any) -> Any | None:
-    """The data axes each parameter's own split (`specs`) uses, or None where none does.
-
-    Raises:
-      ValueError: for such parameters under the hierarchical all-reduce, whose rings span
-        every data axis.
-    """
-    axes = data_axes(mesh)
-    owned = jax.tree.map(lambda s: restrict(s, axes), specs, is_leaf=_is_spec)
-    if not any(spec_axes(s) for s in jax.tree.leaves(owned, is_leaf=_is_spec)):
-        return None
-    if plan.hierarchical is not None:
-        split = sorted({a for s in jax.tree.leaves(owned, is_leaf=_is_spec) for a in spec_axes(s)})
-        raise ValueError(
-            f"use_hierarchical_allreduce reduces every gradient over all the data axes, but "
-            f"some parameters are split over {split} (a MoE layer's experts over ep): each "
-            "device's slice is its own; turn use_hierarchical_allreduce off"
-        )
-    return owned
-
-
-def _refuse_owned(plan: Plan, mesh: Mesh, params: Any, param_specs: Any) -> None:
-    """Per-replica optimizers keep whole parameters on every replica: none may be split over a
-    data axis (a MoE layer's experts over ep)."""
-    if _owned(plan, mesh, _tensor_specs(plan, mesh, params, param_specs)) is not None:
-        raise ValueError(
-            f"{plan.optimizer.label} keeps a whole copy of the parameters on every data-parallel "
-            "replica, but some are split over a data axis (a MoE layer's experts over ep): "
-            "train with expert parallelism without it, or map the rule 'expert' to mp alone"
-        )
-
-
 def _zero_specs(plan: Plan, mesh: Mesh, specs: Any, params: Any) -> Any:
     """`specs` also split over `sharding` where ZeRO's rule finds a dimension (any stage);
     warns once for each large tensor that stays whole on every device. Sparse tables keep
@@ -271,13 +229,11 @@ def _zero_specs(plan: Plan, mesh: Mesh, specs: Any, params: Any) -> Any:
     def split(path: Any, spec: Any, x: Any) -> Any:
         if is_table(x):
             return spec
-        zero, axes = zero_spec(spec, x.shape, mesh), zero_axes(mesh, spec)
-        degree = math.prod(mesh.shape[a] for a in axes)
+        zero, degree = zero_spec(spec, x.shape, mesh), mesh.shape.get("sharding", 1)
         if zero == spec and degree > 1 and math.prod(x.shape) >= ZERO_MIN_ELEMENTS:
-            over = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
             warn_once(
                 f"ZeRO stage {plan.sharding_stage}: params{jax.tree_util.keystr(path)} "
-                f"{list(x.shape)} has no dimension that splits over {over}, so every "
+                f"{list(x.shape)} has no dimension that splits over sharding={degree}, so every "
                 "device keeps all of it (and its optimizer state); pad a dimension to a "
                 f"multiple of {degree}"
             )
@@ -399,7 +355,7 @@ def _grads_scattered(plan: Plan, mesh: Mesh) -> bool:
     """Whether each device keeps only its shard of the reduced gradients: ZeRO-2 and 3, and
     under a pipeline any stage (it accumulates its stage's whole gradients anyway and
     reduce-scatters them once per step, as Megatron's distributed optimizer does)."""
-    if plan.per_replica or not zero_axes(mesh):
+    if plan.per_replica or mesh.shape.get("sharding", 1) == 1:
         return False
     return plan.sharding_stage >= 2 or bool(plan.pipeline is not None and plan.sharding_stage)
 
@@ -434,9 +390,7 @@ def place(
     params = abstract_state.params
     stacked, scattered = _stacked(plan), _grads_scattered(plan, mesh)
     order = None if plan.pipeline is None else stage_order(plan, mesh, model, abstract_state)
-    owned = None
     if plan.per_replica:
-        _refuse_owned(plan, mesh, params, param_specs)
         per_replica = NamedSharding(mesh, PartitionSpec(data_axes(mesh)))
         params_at = jax.tree.map(lambda _: per_replica if stacked.params else rep, params)
         opt_at = in_update = jax.tree.map(lambda _: per_replica, abstract_state.opt_state)
@@ -444,7 +398,6 @@ def place(
     else:
         specs = _tensor_specs(plan, mesh, params, param_specs)
         _check_mp_used(mesh, specs)
-        owned = _owned(plan, mesh, specs)
         zero = _zero_specs(plan, mesh, specs, params)
         opt_specs = _opt_specs(optimizer, abstract_state.opt_state, params, zero, tables)
         params_at = _shardings(mesh, zero if plan.sharding_stage == 3 else specs)
@@ -467,5 +420,5 @@ def place(
     )
     replicas = data_parallel_size(mesh)
     return Placement(
-        state, grads, batch_sharding(mesh), in_update, stacked, replicas, scattered, order, owned
+        state, grads, batch_sharding(mesh), in_update, stacked, replicas, scattered, order
     )

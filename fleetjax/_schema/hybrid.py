@@ -17,7 +17,7 @@ from fleetjax._schema._shared import (
     XLA_OVERLAP,
     positive,
 )
-from fleetjax.vocabulary import PADDLE_EXPERT_ORDER, PADDLE_ORDER
+from fleetjax.vocabulary import PADDLE_ORDER
 
 _dp_degree = Check(lambda v: v == -1 or v >= 1, "-1 (inferred from the device count) or >= 1")
 
@@ -478,14 +478,8 @@ HYBRID_CONFIG = message(
             int,
             1,
             check=positive,
-            doc=(
-                "The expert group's size: a MoE layer's experts split over the `ep` x `mp` "
-                "mesh axes. As in Paddle it folds over the sharding x mp ranks "
-                "(`ep_degree` x `moe_sharding_degree` = `sharding_degree` x `mp_degree`): the "
-                "`ep` axis has `sharding_degree / moe_sharding_degree` devices, carved out of "
-                "the sharding group, and carries data outside the MoE layers; `order` must "
-                "name all eight axes ([Mixture of experts](moe.md#the-ep-axis))."
-            ),
+            kind="not yet",
+            doc="Above 1: the mesh has no expert-parallel axis yet.",
         ),
         field(
             12,
@@ -493,12 +487,8 @@ HYBRID_CONFIG = message(
             int,
             1,
             check=positive,
-            doc=(
-                "With `ep_degree`: the experts' ZeRO group, the mesh's `sharding` axis "
-                "(dense parameters' ZeRO group is `sharding` x `ep`, Paddle's sharding group); "
-                "it must divide `sharding_degree`. Above 1 without `ep_degree` it raises "
-                "(Paddle ignores it)."
-            ),
+            kind="not yet",
+            doc="Above 1: fleetjax's mesh has no mixture-of-experts axis yet.",
         ),
         field(13, "dp_configs", _comm_group("DpConfig", "dp_configs", "check_nccl_config")),
         field(14, "sep_configs", _comm_group("SepConfig", "sep_configs")),
@@ -555,11 +545,8 @@ HYBRID_CONFIG = message(
             str,
             list(PADDLE_ORDER),
             paddle=False,
-            check=one_of(*PADDLE_ORDER, *PADDLE_EXPERT_ORDER),
-            doc=(
-                "The mesh axis order, slowest-varying first; with `ep_degree` > 1 it names "
-                "Paddle's eight axes, `ep` and `moe_sharding` too, as Paddle needs."
-            ),
+            check=one_of(*PADDLE_ORDER),
+            doc="The mesh axis order, slowest-varying first.",
         ),
     ],
 )

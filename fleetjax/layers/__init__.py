@@ -17,10 +17,8 @@ axes; the sequence-parallel layers (`ColumnSequenceParallelLinear`, ...) are Meg
 parallelism over ``mp``.
 
 Parameters name their dimensions with logical axes (``"vocab"``, ``"embed"``, ``"mlp"``); the
-rules (`DEFAULT_RULES`, overridable; their axes are `fleetjax.vocabulary`'s) map the split ones
-to ``mp``, a MoE layer's experts (``"expert"``) to ``ep`` x ``mp``, a sparse table's rows
-(``"table_rows"``) to every mesh axis, and activations' batch to the data axes ``dp`` x
-``sharding`` x ``ep``.
+rules (`DEFAULT_RULES`, overridable) map the split ones to ``mp``, a sparse table's rows
+(``"table_rows"``) to every mesh axis, and activations' batch to ``dp`` x ``sharding``.
 """
 
 from fleetjax.layers._params import logical_param

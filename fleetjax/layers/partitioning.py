@@ -29,7 +29,7 @@ from flax.core import spmd as flax_spmd
 from flax.linen.spmd import LogicallyPartitioned
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from fleetjax.vocabulary import DATA_AXES, EXPERT_AXES, SEQUENCE_AXES
+from fleetjax.vocabulary import DATA_AXES, SEQUENCE_AXES
 
 __all__ = [
     "DEFAULT_RULES",
@@ -56,13 +56,12 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("embed", None),
     ("kv", None),
     ("layers", None),
-    # A MoE layer's experts split over the expert axes, ep x mp (Paddle's expert group); with
-    # a rule ("expert", "ep") placed first, an expert's hidden units split over mp instead
-    # (expert tensor parallelism, rule "expert_mlp"; to None for whole experts).
-    ("expert", EXPERT_AXES),
+    # A MoE layer's experts split over the expert axis; an expert's hidden units over mp
+    # (expert tensor parallelism; rule "expert_mlp" to None for whole experts).
+    ("expert", "ep"),
     ("expert_mlp", "mp"),
     # A sparse table's rows are split over every device (fleetjax.layers.SparseEmbedding).
-    ("table_rows", (*DATA_AXES, "pp", "mp")),
+    ("table_rows", ("dp", "sharding", "pp", "mp")),
     # Activations: the batch is split over the data axes, features as their weights are, the
     # sequence over the sequence axes (segment and context parallelism).
     ("activation_batch", DATA_AXES),

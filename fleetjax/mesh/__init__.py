@@ -1,6 +1,6 @@
-"""The device mesh with Paddle's hybrid-parallel axes `dp`, `sharding`, `pp` and `mp`, the expert
-axis `ep` and the sequence axes `sep` and `cp` (their names and order: `fleetjax.vocabulary`),
-and the placement rules on it."""
+"""The device mesh with Paddle's hybrid-parallel axes `dp`, `sharding`, `pp` and `mp`, and the
+sequence axes `sep` and `cp` (their names and order: `fleetjax.vocabulary`), and the placement
+rules on it."""
 
 from fleetjax.mesh._mesh import (
     build_mesh,
@@ -17,7 +17,6 @@ from fleetjax.mesh._rules import (
     replicated,
     restrict,
     spec_axes,
-    zero_axes,
     zero_spec,
 )
 
@@ -34,6 +33,5 @@ __all__ = [
     "replicated",
     "restrict",
     "spec_axes",
-    "zero_axes",
     "zero_spec",
 ]

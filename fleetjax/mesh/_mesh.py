@@ -1,5 +1,5 @@
-"""Building the device mesh from degrees: `dp`, `sharding`, `pp`, `mp`, and the expert axis `ep`
-and Paddle's sequence axes `sep` and `cp` where their degree is above 1."""
+"""Building the device mesh from degrees: `dp`, `sharding`, `pp`, `mp`, and Paddle's sequence
+axes `sep` and `cp` where their degree is above 1."""
 
 from __future__ import annotations
 
@@ -10,26 +10,25 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from fleetjax.vocabulary import AXES, MESH_ORDER, REQUIRED_AXES
+from fleetjax.vocabulary import AXES, PADDLE_ORDER, REQUIRED_AXES, SEQUENCE_AXES
 
 
-def check_order(order: Sequence[str], optional: Sequence[str] = ()) -> tuple[str, ...]:
-    """The mesh axis order from a Paddle `hybrid_configs["order"]`-style list of mesh axes: its
-    axes that the mesh has, the `optional` ones ('ep', 'sep', 'cp') only where they are listed
-    there."""
+def check_order(order: Sequence[str], sequence: Sequence[str] = ()) -> tuple[str, ...]:
+    """The mesh axis order from a Paddle `hybrid_configs["order"]`-style list: its axes that
+    the mesh has, the `sequence` axes ('sep', 'cp') only where they are listed there."""
     order = tuple(order)
-    unknown = [a for a in order if a not in MESH_ORDER]
+    unknown = [a for a in order if a not in PADDLE_ORDER]
     if unknown or len(set(order)) != len(order) or not set(REQUIRED_AXES) <= set(order):
         raise ValueError(
-            f"order must name each of {', '.join(REQUIRED_AXES)} exactly once (and 'ep', "
-            f"'sep' and 'cp' at most once each), got {list(order)}"
+            f"order must name each of {', '.join(REQUIRED_AXES)} exactly once (and 'sep' and "
+            f"'cp' at most once each), got {list(order)}"
         )
-    missing = [a for a in optional if a not in order]
+    missing = [a for a in sequence if a not in order]
     if missing:
         raise ValueError(
             f"order must name {missing[0]!r}, whose degree is above 1, got {list(order)}"
         )
-    return tuple(a for a in order if a in REQUIRED_AXES or a in optional)
+    return tuple(a for a in order if a in REQUIRED_AXES or a in sequence)
 
 
 def _default_devices() -> list[jax.Device]:
@@ -83,23 +82,19 @@ def build_mesh(
     *,
     sep: int = 1,
     cp: int = 1,
-    ep: int = 1,
 ) -> Mesh:
-    """A `jax.sharding.Mesh` with axes `dp`, `sharding`, `pp` and `mp`, and `ep`, `sep` and
-    `cp` where their degree is above 1.
+    """A `jax.sharding.Mesh` with axes `dp`, `sharding`, `pp` and `mp`, and `sep` and `cp`
+    where their degree is above 1.
 
     Args:
       dp, sharding, pp, mp: the degrees (Paddle's `dp_degree`, `sharding_degree`,
         `pp_degree`, `mp_degree`); `dp=-1` takes all devices the others leave.
       order: the axis order, slowest-varying first (Paddle's `hybrid_configs["order"]`);
-        default Paddle's `dp, pp, sharding, sep, cp, mp` with `ep` after `sharding`, so `mp`
-        neighbours share a host, and the experts' `ep` x `mp` ranks are neighbours.
+        default Paddle's `dp, pp, sharding, sep, cp, mp`, so `mp` neighbours share a host.
       devices: the devices, in order; default all devices, grouped by process.
       axis_types: `AxisType.Auto` (default; GSPMD propagates shardings) or `Explicit`.
       sep, cp: the sequence axes' degrees (Paddle's `sep_degree`: the sequence split and heads
         exchanged around attention; `cp_degree`: ring attention over the split sequence).
-      ep: the expert axis (`fleetjax.vocabulary.EXPERT_AXES`: a MoE layer's experts split
-        over `ep` x `mp`; elsewhere it carries data, as `dp` and `sharding` do).
 
     Raises:
       ValueError: if a degree is not a positive int (or -1 for dp), `devices` is empty or
@@ -107,7 +102,7 @@ def build_mesh(
         states both, and on CPU how to simulate more devices).
     """
     devices = _checked_devices(devices)
-    degrees = {"dp": dp, "sharding": sharding, "ep": ep, "pp": pp, "sep": sep, "cp": cp, "mp": mp}
+    degrees = {"dp": dp, "sharding": sharding, "pp": pp, "sep": sep, "cp": cp, "mp": mp}
     for axis, degree in degrees.items():
         allowed = (-1,) if axis == "dp" else ()
         is_int = isinstance(degree, (int, np.integer)) and not isinstance(degree, bool)
@@ -134,8 +129,8 @@ def build_mesh(
             + f" = {total}, but there are {len(devices)} devices"
             + _sentence(simulation_hint(devices, total))
         )
-    optional = tuple(a for a in AXES if a not in REQUIRED_AXES and degrees[a] > 1)
-    names = check_order(order if order is not None else MESH_ORDER, optional)
+    sequence = tuple(a for a in SEQUENCE_AXES if degrees[a] > 1)
+    names = check_order(order if order is not None else PADDLE_ORDER, sequence)
     grid = np.array(devices, dtype=object).reshape([degrees[a] for a in names])
     types = (axis_types or AxisType.Auto,) * len(names)
     return Mesh(grid, names, axis_types=types)

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from fleetjax.vocabulary import DATA_AXES, ZERO_AXES
+from fleetjax.vocabulary import DATA_AXES
 
 
 def data_axes(mesh: Mesh) -> tuple[str, ...]:
@@ -68,29 +68,15 @@ def spec_axes(spec: PartitionSpec) -> tuple[str, ...]:
 ZERO_MIN_ELEMENTS = 4096
 
 
-_WHOLE = PartitionSpec()
-
-
-def zero_axes(mesh: Mesh, spec: PartitionSpec = _WHOLE) -> tuple[str, ...]:
-    """The axes ZeRO splits a tensor laid out as `spec` over: the mesh's ZeRO axes
-    (`fleetjax.vocabulary.ZERO_AXES`, Paddle's sharding group) of more than one device that
-    `spec` does not split over already (an expert's `ep`: its ZeRO group is Paddle's
-    `moe_sharding`)."""
-    used = set(spec_axes(spec))
-    return tuple(a for a in ZERO_AXES if mesh.shape.get(a, 1) > 1 and a not in used)
-
-
 def zero_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
-    """`spec` with its largest dimension that splits evenly also split over the ZeRO axes
-    (`zero_axes`: `sharding`, and `ep` where the tensor is not an expert's), ZeRO's placement
-    rule.
+    """`spec` with its largest dimension that splits evenly also split over the `sharding`
+    axis (ZeRO's placement rule).
 
     A dimension no other axis splits is preferred; failing that, one already split (by `mp`)
     whose size divides by both. Tensors under `ZERO_MIN_ELEMENTS` elements, or with no
     dimension that divides, keep `spec`.
     """
-    zero = zero_axes(mesh, spec)
-    degree = math.prod(mesh.shape[a] for a in zero)
+    degree = mesh.shape.get("sharding", 1)
     if degree == 1 or math.prod(shape) < ZERO_MIN_ELEMENTS:
         return spec
     entries = [*spec, *[None] * (len(shape) - len(spec))]
@@ -106,8 +92,7 @@ def zero_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> Partit
                 continue
             ways = math.prod(mesh.shape[a] for a in existing) * degree
             if shape[d] % ways == 0:
-                split = (*existing, *zero)
-                entries[d] = split[0] if len(split) == 1 else split
+                entries[d] = (*existing, "sharding") if existing else "sharding"
                 return PartitionSpec(*entries)
     return spec
 

@@ -15,9 +15,7 @@ from fleetjax.xla_flags import Flag
 
 class Degrees(NamedTuple):
     """The mesh degrees; `dp=-1` means all devices the others leave. `sharding` is the mesh's
-    `sharding` axis: with context parallelism, Paddle's `cp_sharding_degree`; with expert
-    parallelism, Paddle's `moe_sharding_degree`. `ep` is the mesh's `ep` axis, Paddle's
-    `sharding_degree / moe_sharding_degree` (its `ep_degree` is `ep` x `mp`)."""
+    `sharding` axis: with context parallelism, Paddle's `cp_sharding_degree`."""
 
     dp: int = -1
     sharding: int = 1
@@ -25,7 +23,6 @@ class Degrees(NamedTuple):
     mp: int = 1
     sep: int = 1
     cp: int = 1
-    ep: int = 1
 
 
 class NoEffect(NamedTuple):

@@ -6,12 +6,6 @@ shard of the reduced gradient (XLA:CPU would all-reduce and then slice), so the 
 computed per device inside `jax.shard_map` over the data axes and reduced by a reducer:
 `reducer(local_grads, axes) -> grads`, run inside the shard_map, where each device holds the
 gradient of its own batch rows.
-
-A parameter the model itself splits over a data axis (a MoE layer's experts over ``ep``) is a
-different parameter on each of its devices: its gradient, which each device already holds
-summed over that axis's rows (the tokens its experts received), is summed over the other data
-axes only. The reducers take these splits as `owned`, a pytree of `PartitionSpec`s like the
-gradients over the data axes (None: no parameter is split so).
 """
 
 from __future__ import annotations
@@ -23,53 +17,29 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from fleetjax.mesh import manual_axes, spec_axes
+from fleetjax.mesh import manual_axes
 from fleetjax.transforms.grad_fn import GradFn, Outputs
 
 Reducer = Callable[[Any, tuple[str, ...]], Any]
 
 
-def _is_spec(x: Any) -> bool:
-    return isinstance(x, PartitionSpec)
-
-
-def owned_like(grads: Any, owned: Any) -> Any:
-    """`owned` (a pytree of `PartitionSpec`s like `grads`), or for None a `PartitionSpec()`
-    per gradient: the data axes each parameter is split over by the model itself."""
-    if owned is None:
-        return jax.tree.map(lambda _: PartitionSpec(), grads)
-    return owned
-
-
-def summed_over(axes: tuple[str, ...], owned: PartitionSpec) -> tuple[str, ...]:
-    """The data `axes` a gradient is summed over: all but those its parameter is split over."""
-    own = spec_axes(owned)
-    return tuple(a for a in axes if a not in own)
-
-
-def _psum(g: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    return jax.lax.psum(g, axes) if axes else g
-
-
-def mean_in(dtype: Any, owned: Any = None) -> Reducer:
+def mean_in(dtype: Any) -> Reducer:
     """Average float32 gradients over the data axes, communicating them in `dtype` (Paddle's
     `fp16_allreduce`: cast, all-reduce, cast back). Gradients of other dtypes are averaged as
     they are. Each gradient is divided by the replica count before the sum, as Paddle scales
-    the loss gradient, so the half-precision sum does not overflow where the mean would not.
-    `owned`: the parameters' own splits over the data axes (see the module docstring)."""
+    the loss gradient, so the half-precision sum does not overflow where the mean would not."""
 
     def reduce(grads: Any, axes: tuple[str, ...]) -> Any:
         replicas = jax.lax.psum(1, axes)
 
-        def one(g: jax.Array, own: PartitionSpec) -> jax.Array:
+        def one(g: jax.Array) -> jax.Array:
             if not jnp.issubdtype(g.dtype, jnp.floating):
                 raise TypeError(f"gradients must be floating point, got {g.dtype}")
-            over = summed_over(axes, own)
             if g.dtype != jnp.float32:
-                return _psum(g / replicas, over)
-            return _psum((g / replicas).astype(dtype), over).astype(jnp.float32)
+                return jax.lax.pmean(g, axes)
+            return jax.lax.psum((g / replicas).astype(dtype), axes).astype(jnp.float32)
 
-        return jax.tree.map(one, grads, owned_like(grads, owned), is_leaf=_is_spec)
+        return jax.tree.map(one, grads)
 
     return reduce
 
@@ -152,26 +122,24 @@ def _all_gather(chunk: jax.Array, position: jax.Array, ring: _Ring) -> jax.Array
     return out.reshape(-1)
 
 
-def scatter_mean(specs: Any, owned: Any = None) -> Reducer:
+def scatter_mean(specs: Any, axis: str = "sharding") -> Reducer:
     """Average gradients over the data axes, leaving each device only its shard of those whose
-    `specs` (a pytree of `PartitionSpec`s like the gradients, over the data axes) split a
-    dimension over data axes beyond their parameter's own (`owned`, see the module docstring):
-    a reduce-scatter over those axes (ZeRO's) and an all-reduce over the other data axes
-    (ZeRO-2)."""
+    `specs` (a pytree of `PartitionSpec`s like the gradients) split a dimension over `axis`: a
+    reduce-scatter over `axis` and an all-reduce over the other data axes (ZeRO-2)."""
 
     def reduce(grads: Any, axes: tuple[str, ...]) -> Any:
         replicas = jax.lax.psum(1, axes)
 
-        def one(g: jax.Array, spec: PartitionSpec, own: PartitionSpec) -> jax.Array:
-            g, over = g / replicas, summed_over(axes, own)
-            for dim, entry in enumerate(spec):
-                scatter = tuple(a for a in spec_axes(PartitionSpec(entry)) if a in over)
-                if scatter:
-                    g = jax.lax.psum_scatter(g, scatter, scatter_dimension=dim, tiled=True)
-                    return _psum(g, tuple(a for a in over if a not in scatter))
-            return _psum(g, over)
+        def one(g: jax.Array, spec: PartitionSpec) -> jax.Array:
+            g = g / replicas
+            dims = [d for d, entry in enumerate(spec) if entry == axis or axis in (entry or ())]
+            if not dims:
+                return jax.lax.psum(g, axes)
+            g = jax.lax.psum_scatter(g, axis, scatter_dimension=dims[0], tiled=True)
+            others = tuple(a for a in axes if a != axis)
+            return jax.lax.psum(g, others) if others else g
 
-        return jax.tree.map(one, grads, specs, owned_like(grads, owned), is_leaf=_is_spec)
+        return jax.tree.map(one, grads, specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
     return reduce
 
@@ -184,16 +152,13 @@ def data_parallel(
     grad_specs: Any = None,
     *,
     state_specs: Any = None,
-    owned: Any = None,
     check_vma: bool = True,
 ) -> GradFn:
     """`grad_fn(params, model_state, batch, *rest) -> ((loss, aux, model_state), grads)` with
     the gradients reduced by `reducer` over the data `axes`; `grad_specs` says how the reduced
     gradients are split over the data axes (a pytree of `PartitionSpec`s; default whole on
     every device), `state_specs` likewise for the model state (None for none, or replicated).
-    `owned`: the parameters' own splits over the data axes (see the module docstring): they
-    enter and their gradients leave split so (the `reducer` must take the same). `check_vma`
-    False lets a reducer made of `ppermute`s (`hierarchical_mean`) return equal
+    `check_vma` False lets a reducer made of `ppermute`s (`hierarchical_mean`) return equal
     values that JAX cannot prove equal.
 
     Inside, each device computes `grad_fn` on its rows of the batch; the loss and aux values are
@@ -208,12 +173,7 @@ def data_parallel(
     def local(params: Any, model_state: Any, batch: Any, *rest: Any) -> tuple[Outputs, Any]:
         # Varying parameters give each device its own gradient; with replicated (invariant)
         # ones, JAX's transpose would already sum the gradients over the devices.
-        params = jax.tree.map(
-            lambda x, own: jax.lax.pcast(x, summed_over(axes, own), to="varying"),
-            params,
-            owned_like(params, owned),
-            is_leaf=_is_spec,
-        )
+        params = jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), params)
         if rest:
             rest = (jax.random.fold_in(rest[0], jax.lax.axis_index(axes)), *rest[1:])
         (loss, aux, model_state), grads = grad_fn(params, model_state, batch, *rest)
@@ -224,9 +184,8 @@ def data_parallel(
 
     def reduced(params: Any, model_state: Any, batch: Any, *rest: Any) -> tuple[Outputs, Any]:
         state = PartitionSpec() if state_specs is None else state_specs
-        own = PartitionSpec() if owned is None else owned
-        specs = (own, state, PartitionSpec(axes), *(PartitionSpec() for _ in rest))
-        out = own if grad_specs is None else grad_specs
+        specs = (PartitionSpec(), state, PartitionSpec(axes), *(PartitionSpec() for _ in rest))
+        out = PartitionSpec() if grad_specs is None else grad_specs
         return jax.shard_map(
             local,
             mesh=mesh,

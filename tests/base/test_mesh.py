@@ -77,7 +77,6 @@ def test_degrees_from_hybrid_configs():
         "mp": 2,
         "sep": 1,
         "cp": 1,
-        "ep": 1,
     }
     s.hybrid_configs = {"order": ["mp", "pp", "sharding", "dp"]}
     assert mesh_for(read_plan(s)).axis_names == ("mp", "pp", "sharding", "dp")
@@ -93,7 +92,6 @@ def test_degrees_from_sharding_configs():
         "mp": 1,
         "sep": 1,
         "cp": 1,
-        "ep": 1,
     }
     s.sharding_configs = {"sharding_degree": 4, "dp_degree": 2}
     assert strategy_degrees(s)._asdict() == {
@@ -103,7 +101,6 @@ def test_degrees_from_sharding_configs():
         "mp": 1,
         "sep": 1,
         "cp": 1,
-        "ep": 1,
     }
     s.hybrid_configs = {"sharding_degree": 4}  # the same value twice is fine
     assert strategy_degrees(s).sharding == 4
@@ -137,77 +134,11 @@ def test_tensor_parallel_degree():
         strategy_degrees(s)
 
 
-# Paddle's order of its examples with expert parallelism: all eight names.
-EP_ORDER = ["sharding", "moe_sharding", "pp", "sep", "cp", "dp", "ep", "mp"]
-
-
-def ep_strategy(**hybrid) -> fleetjax.DistributedStrategy:
+def test_axes_fleetjax_does_not_have():
     s = fleetjax.DistributedStrategy()
-    s.hybrid_configs = {"order": EP_ORDER, **hybrid}
-    return s
-
-
-@pytest.mark.parametrize(
-    "hybrid, shape",
-    [
-        # ep = sharding = world: every device its own experts, ZeRO over all of them.
-        ({"sharding_degree": 8, "ep_degree": 8}, {"sharding": 1, "ep": 8, "mp": 1}),
-        # the experts' ZeRO group over 2 of Paddle's sharding ranks, ep over the other 4
-        (
-            {"sharding_degree": 8, "ep_degree": 4, "moe_sharding_degree": 2},
-            {"sharding": 2, "ep": 4, "mp": 1},
-        ),
-        # folded over mp: ep_degree = sharding / moe_sharding x mp
-        (
-            {"sharding_degree": 4, "mp_degree": 2, "ep_degree": 8},
-            {"sharding": 1, "ep": 4, "mp": 2},
-        ),
-        # ep_degree = mp_degree: the experts over mp alone, no ep axis
-        ({"mp_degree": 8, "ep_degree": 8}, {"sharding": 1, "mp": 8}),
-    ],
-)
-def test_ep_is_carved_out_of_the_sharding_group_as_paddle_folds_it(hybrid, shape):
-    """Paddle's EPHybridCommunicateGroup: ep x moe_sharding = sharding x mp; the mesh's ep
-    axis is Paddle's dense_sharding (sharding / moe_sharding), its sharding axis
-    moe_sharding, and the order takes moe_sharding's and ep's places."""
-    mesh = mesh_for(read_plan(ep_strategy(**hybrid)))
-    assert {a: n for a, n in mesh.shape.items() if a in shape} == shape
-    assert set(mesh.shape) == {"dp", "sharding", "pp", "mp", *shape}
-    expected = ("sharding", "pp", "dp", *(("ep",) if "ep" in shape else ()), "mp")
-    assert mesh.axis_names == expected
-
-
-def test_ep_errors_are_paddles():
-    cases = [
-        # Paddle's assertion in EPHybridCommunicateGroup
-        ({"sharding_degree": 8, "ep_degree": 4}, "Mismatch world_size:8, moe_world_size:4"),
-        (
-            {"sharding_degree": 8, "ep_degree": 2, "moe_sharding_degree": 3},
-            "moe_sharding_degree dividing sharding_degree",
-        ),
-        (
-            {"sharding_degree": 4, "sep_degree": 2, "ep_degree": 4},
-            "sep_degree 2 and dp_degree 1 must be 1 in MoE",
-        ),
-        ({"sharding_degree": 2, "moe_sharding_degree": 2}, "moe_sharding_degree=2 needs ep_degree"),
-    ]
-    for hybrid, message in cases:
-        with pytest.raises(ValueError, match=message):
-            read_plan(ep_strategy(**hybrid))
-    # Paddle silently ignores ep_degree without the eight names; fleetjax says so.
-    s = fleetjax.DistributedStrategy()
-    s.hybrid_configs = {"sharding_degree": 8, "ep_degree": 8}
-    with pytest.raises(ValueError, match="hybrid_configs.order must name all of"):
-        read_plan(s)
-    with pytest.raises(ValueError, match="order must name 'ep', whose degree is above 1"):
-        build_mesh(sharding=2, ep=4, order=["dp", "pp", "sharding", "mp"])
-
-
-def test_an_ep_mesh_by_hand_puts_ep_beside_sharding():
-    mesh = build_mesh(sharding=2, ep=4)
-    assert mesh.axis_names == ("dp", "pp", "sharding", "ep", "mp")
-    with pytest.raises(ValueError, match="dp x sharding x ep x pp x mp = 1 x 2 x 2 x 1 x 1 = 4"):
-        build_mesh(dp=1, sharding=2, ep=2)
+    s.hybrid_configs = {"ep_degree": 2}
+    with pytest.raises(NotImplementedError, match="hybrid_configs.ep_degree=2"):
+        strategy_degrees(s)
 
 
 def test_sequence_axes_only_where_above_one():

@@ -83,12 +83,11 @@ def test_capacity_sends_cf_t_k_h_b_each_way(grad):
 
 @pytest.mark.slow
 def test_folded_and_expert_tensor_axes_split_the_tokens_and_gather_no_tokens():
-    """Experts over ep x mp (the default rule), or over ep with mp splitting their hidden
-    units: each device
+    """Experts over ep x mp, or over ep with mp splitting their hidden units: each device
     dispatches an eighth of the tokens either way, and nothing gathers them (the gate routes
     each device's own; expert tensor parallelism all-gathers the received buffer over mp)."""
     tokens = TOKENS // 8
-    for options, ranks in (({}, 8), ({"moe_group": "ep"}, 4)):
+    for options, ranks in (({"moe_group": ("ep", "mp")}, 8), ({}, 4)):
         text = compiled(make_layer("router", **options), mesh((4, 2), ("ep", "mp")), False)
         found, _, _ = all_to_alls(text)
         each_way = all_to_all_bytes(tokens, D_MODEL, TOP_K, EXPERTS, ranks, itemsize=ITEMSIZE)

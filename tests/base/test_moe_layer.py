@@ -16,20 +16,14 @@ LAYOUTS = {
     "ep2": ((4, 2), ("dp", "ep"), {}),
     "ep4": ((2, 4), ("dp", "ep"), {}),
     "ep8": ((8,), ("ep",), {}),
-    "ep2_etp2": ((2, 2, 2), ("dp", "ep", "mp"), {"moe_group": "ep"}),
-    "ep4_folded": ((2, 2, 2), ("dp", "ep", "mp"), {}),  # the default rule: ep x mp
+    "ep2_etp2": ((2, 2, 2), ("dp", "ep", "mp"), {}),
+    "ep4_folded": ((2, 2, 2), ("dp", "ep", "mp"), {"moe_group": ("ep", "mp")}),
     "allgather_ep4": ((2, 4), ("dp", "ep"), {"dispatcher": "allgather"}),
-    "allgather_ep2_etp2": (
-        (2, 2, 2),
-        ("dp", "ep", "mp"),
-        {"dispatcher": "allgather", "moe_group": "ep"},
-    ),
-    "ep2_etp2_explicit": ((2, 2, 2), ("dp", "ep", "mp"), {"moe_group": "ep"}),
+    "allgather_ep2_etp2": ((2, 2, 2), ("dp", "ep", "mp"), {"dispatcher": "allgather"}),
+    "ep2_etp2_explicit": ((2, 2, 2), ("dp", "ep", "mp"), {}),
 }
-# The default run: the experts folded over ep x mp (the default rule, overflow rounds), and the
-# allgather dispatcher with expert tensor parallelism; every other form runs under -m slow
-# (ep = 1 runs in the other tests' steps too).
-DEFAULT = ("ep4_folded", "allgather_ep2_etp2")
+# One layout of each form in the default run (ep = 1 runs in the other tests' steps too).
+DEFAULT = ("ep8", "ep4_folded", "allgather_ep2_etp2", "ep2_etp2_explicit")
 
 
 def mesh_of(layout: str) -> jax.sharding.Mesh:

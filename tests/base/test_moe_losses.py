@@ -33,27 +33,16 @@ def batch():
     return {"x": x, "cotangent": cotangent}
 
 
-def on_mesh(fn, *args, mesh=True):
-    """`fn` jitted on the dp x ep MESH (or, without `mesh`, on one device)."""
-    if not mesh:
-        return jax.jit(fn)(*args)
+def on_mesh(fn, *args):
     shape, names = MESH
     with jax.set_mesh(jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * 2)):
         return jax.jit(fn)(*args)
 
 
-# The claims hold on one device as over ep; the default run checks them there (the layer over
-# ep equals it: test_moe_layer), -m slow over the dp x ep mesh too.
-WHERE = pytest.mark.parametrize(
-    "mesh", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["one_device", "dp2_ep4"]
-)
-
-
-@WHERE
-def test_gradient_merge_takes_the_mean_of_its_micro_batches(mesh):
+def test_gradient_merge_takes_the_mean_of_its_micro_batches():
     step, params = losses_and_grads(make_layer())
     merged = gradient_merge.microbatched(step, 2)
-    (outputs, grads) = on_mesh(lambda p, b: merged(p, None, b), params, batch(), mesh=mesh)
+    (outputs, grads) = on_mesh(lambda p, b: merged(p, None, b), params, batch())
     # by hand, on one device: micro-batch i is rows i, i + 2 (gradient_merge.split_batch)
     parts = [jax.tree.map(lambda v, i=i: v[i::2], batch()) for i in range(2)]
     alone = jax.jit(lambda p, b: step(p, None, b))  # one compile for both halves
@@ -83,10 +72,9 @@ def test_the_z_and_sequence_losses_of_micro_batches_average_to_the_whole_batchs(
     ],
     ids=["jax.checkpoint", "fleetjax.transforms.recompute.remat"],
 )
-@WHERE
-def test_recompute_counts_the_losses_once(wrap, mesh):
+def test_recompute_counts_the_losses_once(wrap):
     plain, params = losses_and_grads(make_layer())
     again, _ = losses_and_grads(make_layer(), wrap)
-    expected = on_mesh(lambda p, b: plain(p, None, b), params, batch(), mesh=mesh)
-    found = on_mesh(lambda p, b: again(p, None, b), params, batch(), mesh=mesh)
+    expected = on_mesh(lambda p, b: plain(p, None, b), params, batch())
+    found = on_mesh(lambda p, b: again(p, None, b), params, batch())
     assert_close(found, expected)

@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 
 import fleetjax
-from fleetjax.plan import mesh_for, read_plan
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "examples"))
 import train_gpt
@@ -219,7 +218,6 @@ def test_flags_go_on_top_of_the_strategy_file():
             r"--sequence-parallel splits the sequence over the tensor-parallel devices: give "
             r"--mp N > 1 \(mp_degree is 1\)",
         ),
-        (train_gpt, ["--ep", "8"], r"--ep 8 splits the experts: give --num-experts N"),
     ],
 )
 def test_bad_flags_say_what_is_wrong(script, flags, message):
@@ -237,16 +235,6 @@ def test_gpt_takes_every_schedule_and_the_sequence_axes():
     degrees = {k: s.hybrid_configs[f"{k}_degree"] for k in ("dp", "pp", "sharding", "cp", "sep")}
     assert degrees == {"dp": 1, "pp": 1, "sharding": 4, "cp": 2, "sep": 2}
     assert train_gpt.parse_args(["--mp", "2", "--sequence-parallel"]).sequence_parallel
-
-
-def test_gpt_folds_ep_over_sharding_and_mp_as_paddle_does():
-    flags = ["--dp", "1", "--pp", "1", "--mp", "2", "--sharding", "4", "--ep", "4"]
-    args = train_gpt.parse_args([*flags, "--num-experts", "8", "--top-k", "1"])
-    assert (args.num_experts, args.top_k) == (8, 1)
-    s = train_gpt.strategy_from(args)
-    assert (s.hybrid_configs["ep_degree"], s.hybrid_configs["moe_sharding_degree"]) == (4, 2)
-    mesh = mesh_for(read_plan(s))
-    assert {a: mesh.shape[a] for a in ("sharding", "ep", "mp")} == {"sharding": 2, "ep": 2, "mp": 2}
 
 
 ROOT = next(p for p in pathlib.Path(__file__).parents if (p / "pyproject.toml").exists())

@@ -36,11 +36,6 @@ With ``Q > 1`` (expert tensor parallelism) the rows a rank receives are all-gath
 expert tensor axes, each rank computes partial sums over its slice of the hidden dimension, and
 a reduce-scatter sums them and returns each rank its own rows.
 
-Inside a `shard_map` that holds some expert axes in hand already (a train step's, manual over
-the data axes, ``ep`` among them: each device runs its own rows and holds its own experts'
-parameters), those axes are *held*: the dispatch's own `shard_map` is over the remaining axes,
-and its all-to-alls span the held and its own expert axes alike.
-
 `all_to_all_bytes` is the formula for the bytes a device sends each way in the first round.
 """
 
@@ -134,13 +129,10 @@ class Layout(NamedTuple):
 
     Attributes:
       mesh: the context mesh, or None (one device: no communication).
-      experts: the expert axes, over which the experts split (``P`` their sizes' product):
-        the held ones first.
+      experts: the expert axes, over which the experts split (``P`` their sizes' product).
       tensor: the expert tensor axes, over which an expert's hidden dimension splits (``Q``).
       tokens: the axes the tokens split over inside the dispatch.
       arrival: the axes the tokens arrive split over (the first of `tokens`).
-      held: the expert axes an enclosing `shard_map` holds in hand already (manual): each
-        device's tokens and experts are its own along them.
     """
 
     mesh: AbstractMesh | None
@@ -148,20 +140,9 @@ class Layout(NamedTuple):
     tensor: tuple[str, ...] = ()
     tokens: tuple[str, ...] = ()
     arrival: tuple[str, ...] = ()
-    held: tuple[str, ...] = ()
 
     def size(self, axes: Sequence[str]) -> int:
         return math.prod(self.mesh.shape[a] for a in axes) if self.mesh is not None else 1
-
-    @property
-    def free(self) -> tuple[str, ...]:
-        """The axes the dispatch's own `shard_map` takes in hand."""
-        return free_axes(self.mesh) if self.mesh is not None else ()
-
-    @property
-    def spanned(self) -> tuple[str, ...]:
-        """Every axis the dispatch's devices differ along: the held and the free ones."""
-        return (*self.held, *self.free)
 
 
 def _axes(entry: Any) -> tuple[str, ...]:
@@ -178,50 +159,39 @@ def layout(
     grouped: bool,
 ) -> Layout:
     """The layout of the context mesh (`jax.set_mesh`, or a `shard_map`'s) for a dispatch:
-    the expert axes (`expert_axes`, else where the rules put the logical ``"expert"``), those
-    of them a `shard_map` holds already, the expert tensor axes (the axes the rules split the
-    stacked experts' other dimensions over; none for experts applied tile by tile, which run
-    whole), and the token axes: where the logical `token_names` split the tokens, then every
-    other axis, so that no two devices dispatch the same token. Axes the mesh lacks are left
-    out, and so are axes of one device; manual axes are held (the expert axes) or already
-    split (the tokens).
+    the expert axes (`expert_axes`, else where the rules put the logical ``"expert"``), the
+    expert tensor axes (the axes the rules split the stacked experts' other dimensions over;
+    none for experts applied tile by tile, which run whole), and the token axes: where the
+    logical `token_names` split the tokens, then every other axis, so that no two devices
+    dispatch the same token. Axes the mesh lacks, or has as manual axes, are left out.
 
     Raises:
-      ValueError: if the expert axes do not divide `num_experts`, or a held expert axis comes
-        after one that is not (its slices would not be the experts' contiguous blocks).
+      ValueError: if the expert axes do not divide `num_experts`.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    if mesh.empty or not free_axes(mesh):
         return Layout(None)
     free = set(free_axes(mesh))
     if expert_axes is None:
-        expert_axes = _axes(logical_to_spec(("expert",))[0])
-    experts = tuple(a for a in expert_axes if a in mesh.axis_names and mesh.shape[a] > 1)
-    held = tuple(a for a in experts if a not in free)
-    if experts[: len(held)] != held:
-        raise ValueError(
-            f"MoELayer: the expert axes {experts} hold {held} in an enclosing shard_map, which "
-            "must come first (the experts split in contiguous blocks, the first axis major)"
-        )
-    if not free and not held:
-        return Layout(None)
+        expert_axes = _axes(logical_to_spec(("expert",), mesh=mesh)[0])
+    experts = tuple(a for a in expert_axes if a in free)
     tensor: tuple[str, ...] = ()
-    if grouped and free:
+    if grouped:
         for names in _Parameters.of(stacked).names:
             spec = logical_to_spec(names[1:], mesh=mesh, taken=experts)
             tensor += tuple(a for e in spec for a in _axes(e) if a not in tensor)
     arrival: tuple[str, ...] = ()
-    for entry in logical_to_spec(token_names, mesh=mesh) if free else ():
+    for entry in logical_to_spec(token_names, mesh=mesh):
         arrival += _axes(entry)
     tokens = arrival + tuple(a for a in free_axes(mesh) if a not in arrival)
-    found = Layout(mesh, experts, tensor, tokens, arrival, held)
+    found = Layout(mesh, experts, tensor, tokens, arrival)
     ways = found.size(experts)
     if num_experts % ways:
         split = " x ".join(f"{a}={mesh.shape[a]}" for a in experts)
         raise ValueError(
             f"MoELayer: {num_experts} experts do not split over the expert axes {split}: "
             "the number of experts must be a multiple of their size (moe_group, or the "
-            "rule for 'expert'; with a strategy, Paddle's ep_degree)"
+            "rule for 'expert')"
         )
     return found
 
@@ -241,7 +211,7 @@ def join_tokens(tokens: jax.Array, where: Layout) -> jax.Array:
 
 
 def _split(tokens: jax.Array, where: Layout, axes: tuple[str, ...]) -> jax.Array:
-    if where.mesh is None or not where.free:
+    if where.mesh is None:
         return tokens
     sharding = NamedSharding(where.mesh, PartitionSpec(axes or None))
     if AxisType.Explicit in where.mesh.axis_types:
@@ -311,7 +281,6 @@ class _Plan(NamedTuple):
 
 def dispatch(
     stacked: nnx.Module,
-    num_experts: int,
     tokens: jax.Array,
     experts: jax.Array,
     weights: jax.Array,
@@ -323,9 +292,7 @@ def dispatch(
     of assignments dropped and the rounds taken.
 
     Args:
-      stacked: the experts, stacked (`stack_experts`): this device's slice of them along the
-        held expert axes.
-      num_experts: ``E``, the layer's experts.
+      stacked: the experts, stacked (`stack_experts`).
       tokens: ``[T, H]``.
       experts: ``[T, k]`` int32 expert ids, -1 for none.
       weights: ``[T, k]`` the routing weights (the ``"probs"`` drop policy ranks by them).
@@ -337,6 +304,7 @@ def dispatch(
     """
     parameters = _Parameters.of(stacked)
     leaves = parameters.values
+    num_experts = leaves[0].shape[0]
     token_ways = where.size(where.tokens)
     count = tokens.shape[0]
     if count % token_ways:
@@ -364,7 +332,7 @@ def dispatch(
         capacity,
     )
     body = functools.partial(_local, static)
-    if where.mesh is None or not where.free:
+    if where.mesh is None:
         return body(leaves, tokens, experts, weights)
     token_spec = PartitionSpec(where.tokens or None)
     leaf_specs = [
@@ -375,7 +343,7 @@ def dispatch(
         mesh=where.mesh,
         in_specs=(leaf_specs, token_spec, token_spec, token_spec),
         out_specs=(token_spec, PartitionSpec(), PartitionSpec()),
-        axis_names=set(where.free),
+        axis_names=set(free_axes(where.mesh)),
         check_vma=False,
     )
     specs = (leaf_specs, token_spec, token_spec, token_spec)
@@ -385,15 +353,14 @@ def dispatch(
 
 def _leaf_spec(names: tuple, where: Layout, grouped: bool) -> PartitionSpec:
     """A stacked parameter's split inside the dispatch: the expert dimension over the expert
-    axes it does not hold already, the others as the rules say (expert tensor parallelism) or,
-    for experts that run whole, not at all."""
+    axes, the others as the rules say (expert tensor parallelism) or, for experts that run
+    whole, not at all."""
     rest = (
         logical_to_spec(names[1:], mesh=where.mesh, taken=where.experts)
         if grouped
         else (None,) * (len(names) - 1)
     )
-    own = tuple(a for a in where.experts if a not in where.held)
-    return PartitionSpec(own or None, *rest)
+    return PartitionSpec(where.experts or None, *rest)
 
 
 def _placed(mesh: AbstractMesh, args: Any, specs: Any) -> Any:
@@ -451,16 +418,19 @@ def _plan(static: _Static, experts: jax.Array, weights: jax.Array) -> tuple[_Pla
     rounds = jnp.maximum(jnp.max(-(-per_peer // static.chunk)), 1).astype(jnp.int32)
     received = _exchange(static, per_expert.reshape(static.ranks, static.local))
     if static.overflows:
-        rounds = lax.pmax(rounds, static.layout.spanned)
+        rounds = lax.pmax(rounds, tuple(free_axes(static.layout.mesh)))
     missed = valid & (position >= rounds * static.chunk)
     return _Plan(token, peer, position, received, rounds), _total(static, jnp.sum(missed))
 
 
 def _total(static: _Static, count: jax.Array) -> jax.Array:
-    """`count` summed over the devices that dispatch together (their tokens and experts)."""
     count = count.astype(jnp.int32)
-    axes = (*static.layout.held, *static.layout.tokens)
-    return lax.psum(count, axes) if static.layout.mesh is not None and axes else count
+    mesh = static.layout.mesh
+    return (
+        lax.psum(count, tuple(static.layout.tokens))
+        if mesh is not None and static.layout.tokens
+        else count
+    )
 
 
 def _exchange(static: _Static, buffer: jax.Array) -> jax.Array:

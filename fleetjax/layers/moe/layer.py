@@ -166,13 +166,7 @@ class MoELayer(nnx.Module):
         sequences = inp.shape[0] if inp.ndim == 3 else 1
         routing = self.gate.route(tokens, sequences=sequences, rngs=rngs)
         per_assignment, dropped, rounds = dispatch_.dispatch(
-            self.experts,
-            self.num_expert,
-            tokens,
-            routing.experts,
-            routing.weights,
-            where,
-            self.dispatch,
+            self.experts, tokens, routing.experts, routing.weights, where, self.dispatch
         )
         out = jnp.einsum("tk,tkh->th", routing.weights.astype(per_assignment.dtype), per_assignment)
         if self.shared_expert is not None:

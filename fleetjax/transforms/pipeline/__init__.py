@@ -96,7 +96,6 @@ def pipeline(
     reducer: Reducer | None = None,
     param_specs: PipelineParams | None = None,
     grad_specs: PipelineParams | None = None,
-    owned_specs: PipelineParams | None = None,
 ) -> Callable[..., tuple[Any, PipelineParams]]:
     """The loss and gradients of a layered model, pipelined over the mesh axis ``pp``.
 
@@ -143,11 +142,6 @@ def pipeline(
         A parameter split over a data axis (ZeRO-3) is gathered in each tick that runs it.
       grad_specs: where the reducer leaves the gradients (as `param_specs`): split over
         ``sharding`` where it reduce-scatters them; default whole on the data axes.
-      owned_specs: per parameter, the data axes the model itself splits it over (a MoE
-        layer's experts over ``ep``: `fleetjax.Placement.owned`), as `PartitionSpec`s like the
-        parameters: each device runs its own slice, never gathered, and its gradient is
-        summed over the other data axes only (`reducer` must take the same); by default the
-        gradients leave split so. None: no parameter is split so.
 
     Returns:
       ``value_and_grad(params, batch[, key], *, loss_scale=None) -> (loss, grads)`` for a
@@ -177,8 +171,7 @@ def pipeline(
     schedule = pipeline_schedule(schedule_mode, mesh.shape[AXIS], accumulate_steps, vpp_degree)
     flags = {"has_aux": has_aux, "has_rng": has_rng, "has_state": has_state}
     model = ModelFunctions.of(embed, stage, head_loss, **flags)
-    specs = (param_specs, grad_specs, owned_specs)
-    run = program(model, schedule, mesh, size, reducer, *specs)
+    run = program(model, schedule, mesh, size, reducer, param_specs, grad_specs)
 
     def value_and_grad(
         params: PipelineParams, *args: Any, loss_scale: jax.Array | None = None

@@ -36,11 +36,8 @@ class Layout(NamedTuple):
         params: PipelineParams,
         param_specs: PipelineParams | None,
         grad_specs: PipelineParams | None,
-        owned_specs: PipelineParams | None = None,
     ) -> Layout:
-        """The layout for `params` on `mesh`, split as the specs say (see `program`): what
-        ZeRO-3 splits over the data axes is gathered, what the model splits so itself
-        (`owned_specs`) is not.
+        """The layout for `params` on `mesh`, split as the specs say (see `program`).
 
         Raises:
           ValueError: for a layers parameter whose leading (layer) axis is split over a data
@@ -52,22 +49,16 @@ class Layout(NamedTuple):
         param_in = on_axes(manual, specs)
         others = tuple(a for a in mesh.axis_names if a not in manual)
         compiler = jax.tree.map(lambda s: restrict(s, others), specs, is_leaf=is_spec)
-        grads = on_axes(manual, leaf_specs(grad_specs or owned_specs or BY_STAGE, params))
-        owned = leaf_specs(owned_specs or BY_STAGE, params)
+        grads = on_axes(manual, leaf_specs(grad_specs or BY_STAGE, params))
 
-        def gathered(spec: PartitionSpec, own: PartitionSpec) -> tuple:
-            kept = set(spec_axes(own))
+        def gathered(spec: PartitionSpec) -> tuple[tuple[int, tuple[str, ...]], ...]:
             return tuple(
                 (d, axes)
                 for d, entry in enumerate(spec)
-                if (
-                    axes := tuple(
-                        a for a in spec_axes(PartitionSpec(entry)) if a in data and a not in kept
-                    )
-                )
+                if (axes := tuple(a for a in spec_axes(PartitionSpec(entry)) if a in data))
             )
 
-        gathers = jax.tree.map(gathered, param_in, owned, is_leaf=is_spec)
+        gathers = jax.tree.map(gathered, param_in, is_leaf=is_spec)
         if any(
             d == 0 for split in jax.tree.leaves(gathers.layers, is_leaf=is_split) for d, _ in split
         ):

@@ -45,7 +45,6 @@ def program(
     reducer: Reducer | None = None,
     param_specs: PipelineParams | None = None,
     grad_specs: PipelineParams | None = None,
-    owned_specs: PipelineParams | None = None,
 ) -> Callable[..., tuple[tuple[jax.Array, Any], PipelineParams, PipelineParams]]:
     """The pipeline of `model` on `mesh`: ``run(params, model_state, batch, key, loss_scale) ->
     ((loss, aux), new_model_state, grads)``, `key` raw key data, `loss_scale` a float32 scalar
@@ -57,10 +56,9 @@ def program(
     `grad_specs` says (`PartitionSpec`s like the parameters, or a prefix of them; default whole
     over the data axes, which a reducer that scatters must not leave them). `param_specs` says
     where the parameters are (default whole over the data axes): a parameter split over a data
-    axis (ZeRO-3) is gathered in each tick that uses it, except where `owned_specs` says the
-    model splits it so itself (a MoE layer's experts over ``ep``). Every micro-batch sees
-    `model_state`; of the new states, the floating ones are averaged over every replica's
-    micro-batches and the others are the last micro-batch's (of the last replica), as
+    axis (ZeRO-3) is gathered in each tick that uses it. Every micro-batch sees `model_state`;
+    of the new states, the floating ones are averaged over every replica's micro-batches and
+    the others are the last micro-batch's (of the last replica), as
     `gradient_merge.microbatched` does.
     """
     table = timetable(schedule)
@@ -75,7 +73,7 @@ def program(
     ) -> tuple[tuple[jax.Array, Any], PipelineParams, PipelineParams]:
         micro = micro_batches_of(batch, mesh, micro_batch_size, schedule.micro_batches)
         shapes = shapes_of(model, schedule, params, model_state, micro)
-        layout = Layout.of(mesh, params, param_specs, grad_specs, owned_specs)
+        layout = Layout.of(mesh, params, param_specs, grad_specs)
         scales = () if loss_scale is None else (loss_scale,)
 
         def per_stage(params: PipelineParams, model_state: PipelineParams, micro: Any, *rest: Any):

@@ -69,8 +69,8 @@ MAIN_COMMAND = (
 )
 TEST_COMMAND = (
     'python3 -m venv .venv && .venv/bin/pip install -e ".[test]" && .venv/bin/ruff check . && '
-    ".venv/bin/ruff format --check . && .venv/bin/python -m pytest && "
-    ".venv/bin/python -m pytest -m slow"
+    ".venv/bin/ruff format --check . && .venv/bin/python -m pytest -n 2 && "
+    ".venv/bin/python -m pytest -n 2 -m slow"
 )
 TWO_PROCESSES = (
     ".venv/bin/fleetjax-run --nproc_per_node 2 --cpu_devices_per_proc 4 examples/train_digits.py"

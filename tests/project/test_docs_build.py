@@ -179,7 +179,7 @@ def test_the_notebooks_are_pages_with_their_outputs_and_plots(site):
     site_dir, build = site
     assert build.returncode == 0, "the site did not build; see test_docs_build_in_strict_mode"
     notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
-    assert len(notebooks) == 6
+    assert notebooks, "no notebooks found"  # each one must have its page, with its plots
     for path in notebooks:
         page = site_dir / "notebooks" / path.stem / "index.html"
         page_html = page.read_text()

@@ -15,9 +15,20 @@ import fleetjax
 
 # pytest imported fleetjax, and so jax, before this file (pyproject's warning filter names
 # fleetjax.StrategyWarning): jax's config read the environment before JAX_PLATFORMS was set
-# above. No backend has started yet. Without this JAX would also try CUDA where jax's CUDA plugin
+# above. No backend has started yet (it starts below). Without this JAX would also try CUDA where jax's CUDA plugin
 # is installed (the `aot` extra), and log the plugin's failed CUDA-library check.
 jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
+
+# The suite's programs are small and run a few steps each, so compiling them is most of its
+# time: XLA's CPU backend without LLVM's optimizations (--xla_backend_optimization_level=0)
+# compiles them 2 to 3 times faster (a test compares results computed in one process, under
+# the same flag). XLA reads XLA_FLAGS once, as its backend starts, so the flag holds for this
+# process alone: the scripts tests start (examples, docs, notebooks, workers) run as users run
+# them, at XLA's defaults, and print the numbers their pages show.
+_SCRIPTS_FLAGS = os.environ["XLA_FLAGS"]
+os.environ["XLA_FLAGS"] = f"{_SCRIPTS_FLAGS} --xla_backend_optimization_level=0"
+jax.devices()
+os.environ["XLA_FLAGS"] = _SCRIPTS_FLAGS
 
 # `launcher` (tests that run fleetjax-run), `two_hosts` (network namespaces as two hosts)
 pytest_plugins = ["launching", "hosts"]

@@ -15,8 +15,9 @@ import fleetjax
 
 # pytest imported fleetjax, and so jax, before this file (pyproject's warning filter names
 # fleetjax.StrategyWarning): jax's config read the environment before JAX_PLATFORMS was set
-# above. No backend has started yet (it starts below). Without this JAX would also try CUDA where jax's CUDA plugin
-# is installed (the `aot` extra), and log the plugin's failed CUDA-library check.
+# above. No backend has started yet (it starts below). Without this JAX would also try CUDA
+# where jax's CUDA plugin is installed (the `aot` extra), and log the plugin's failed
+# CUDA-library check.
 jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
 
 # The suite's programs are small and run a few steps each, so compiling them is most of its

@@ -103,13 +103,14 @@ def test_a_raising_worker_is_named_within_10_s(launcher, tmp_path):
 
 
 def _training(
-    launcher, tmp_path, fault: str, *options: str, loop: str = "steps"
+    launcher, tmp_path, fault: str, *options: str, loop: str = "steps", devices: int = 2
 ) -> tuple[int, str, float]:
-    """Two workers training in `loop` (a TrainStep's steps, or plain `jit` all-reduces); worker
-    1's fault at step 5. The launcher's exit code, its stderr, and how long after the fault (as
-    the worker that met it logged it) it exited."""
+    """Two workers of `devices` CPU devices each training in `loop` (a TrainStep's steps, or
+    plain `jit` all-reduces); worker 1's fault at step 5. The launcher's exit code, its stderr,
+    and how long after the fault (as the worker that met it logged it) it exited."""
     proc = launcher(
-        "--nproc_per_node", "2", "--cpu_devices_per_proc", "2", "--start_port", str(free_port()),
+        "--nproc_per_node", "2", "--cpu_devices_per_proc", str(devices),
+        "--start_port", str(free_port()),
         *options, str(WORKER), loop, fault,
     )  # fmt: skip
     _, err = proc.communicate(timeout=180)
@@ -181,8 +182,13 @@ def test_a_spinning_worker_is_named_not_those_waiting_for_it(launcher, tmp_path,
 def test_a_hang_in_the_first_step_is_named(launcher, tmp_path):
     # The first step's host callback sleeps on one process: every worker is in its first
     # TrainStep call, which compiled and now waits. Compiling is progress, waiting is not
-    # (before this change: the first call beat for as long as it lasted, named never).
-    code, err, after = _training(launcher, tmp_path, "first_call", "--heartbeat_timeout", "8")
+    # (before this change: the first call beat for as long as it lasted, named never). One
+    # device a process: JAX's CPU client runs a small one-device program on the calling
+    # thread, so the wait is inside the call (with two, the call returns and the step waits
+    # for its result after it).
+    code, err, after = _training(
+        launcher, tmp_path, "first_call", "--heartbeat_timeout", "8", devices=1
+    )
     print(f"the launcher exited {after:.1f} s after the first step began to wait")
     assert 8 < after < 8 + 15
     assert code == 124

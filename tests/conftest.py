@@ -31,8 +31,9 @@ os.environ["XLA_FLAGS"] = f"{_SCRIPTS_FLAGS} --xla_backend_optimization_level=0"
 jax.devices()
 os.environ["XLA_FLAGS"] = _SCRIPTS_FLAGS
 
-# `launcher` (tests that run fleetjax-run), `two_hosts` (network namespaces as two hosts)
-pytest_plugins = ["launching", "hosts"]
+# `launcher` (tests that run fleetjax-run), `two_hosts` (network namespaces as two hosts), the
+# order tests start in (`start_order`)
+pytest_plugins = ["launching", "hosts", "start_order"]
 
 
 @pytest.fixture(autouse=True)

@@ -10,8 +10,7 @@ import pytest
 # `--no-loadscope-reorder` (pyproject.toml) tells xdist to keep this order. A file's longest test
 # comes first in it: xdist hands a worker its next file when two tests of the current one are left.
 LONGEST_FIRST = (
-    "tests/tools/test_scale.py::test_auto_pipelines_175b",  # 15 to 40 minutes, by the load
-    "tests/tools/test_scale.py",  # 400 s
+    "tests/tools/test_scale.py",  # 600 s
     "tests/tools/test_sequence_memory.py::test_a_layer_keeps_korthikantis",  # 200 s
     "tests/tools/test_sequence_memory.py::test_sequence_parallel_divides",  # 190 s
     "tests/tools/test_sequence_memory.py",  # 280 s

@@ -101,10 +101,14 @@ def test_megatron_175b_layouts_fit_at_the_formulas(gpus, tp, pp, vpp, capsys):
 
 
 @pytest.mark.slow
-def test_auto_pipelines_175b_no_slower_than_megatrons_layout():
-    """`auto.search` for GPT-3 175B on 1024 H100s (mp fixed at 8, as Megatron-LM splits it)
-    considers pipelines, 1F1B and VPP, and picks a layout whose estimated step is no slower
-    than Megatron-LM's tp 8 x pp 8 x ZeRO-1 16 under the same cost model."""
+def test_auto_ranks_175b_pipelines_no_slower_than_megatrons_layout():
+    """`auto.search` given GPT-3 175B's layouts on 1024 H100s (mp fixed at 8, as Megatron-LM
+    splits it; one sequence per micro-batch, recompute): ZeRO-3 over 128 without a pipeline
+    (what it picks for the unpipelined loss), pp 8 and pp 16 in 1F1B, pp 8 in VPP. It compiles
+    each and picks a pipeline whose estimated step is no slower than Megatron-LM's tp 8 x pp 8
+    x ZeRO-1 16 under the same cost model. The search over every layout of the 1024 devices
+    (42 of 529 candidates compiled, about 20 minutes on 2 cores, too long for CI) is
+    benchmarks/h100.py's 175B auto row (benchmarks/RESULTS.md), and picks the same layout."""
     formula = targets.Megatron(96, 12288, 96, 2048, 51200, 1536, tp=8, pp=8, dp=16)
     step, state, batch = megatron_step(formula)
     megatron = fleetjax.explain(step, batch, state, show=False).gpu.time.total
@@ -115,6 +119,7 @@ def test_auto_pipelines_175b_no_slower_than_megatrons_layout():
     strategy.amp_configs = {"dtype": "bfloat16", "use_pure_bf16": True}
     strategy.hybrid_configs = {"mp_degree": 8}
     specs = fns.partition_specs(mesh=targets.mesh("h100", 1024, mp=8))
+    one_sequence = {"mp": 8, "recompute": True}
     found = fleetjax.auto.search(
         fns.pipeline_layer(),
         optax.adam(1e-4),
@@ -123,8 +128,13 @@ def test_auto_pipelines_175b_no_slower_than_megatrons_layout():
         strategy=strategy,
         param_specs=fns.pipeline_params(specs),
         devices=targets.devices("h100", 1024),
+        candidates=[
+            {"sharding": 128, "stage": 3, **one_sequence},
+            {"pp": 8, "micro_batches": 96, **one_sequence},
+            {"pp": 16, "micro_batches": 192, **one_sequence},
+            {"pp": 8, "vpp": 2, "micro_batches": 96, **one_sequence},
+        ],
     )
-    compiled = [c for c in found.candidates if c.device_bytes is not None]
-    assert {(c.layout.pp > 1, c.layout.vpp) for c in compiled} >= {(True, 1), (True, 2)}
+    assert all(c.device_bytes is not None for c in found.candidates), found
     assert found.chosen.layout.pp > 1
     assert found.chosen.time_s <= megatron * 1.01, (str(found.chosen.layout), megatron)

@@ -97,6 +97,10 @@ def test_unknown_benchmark_is_refused():
 
 @pytest.mark.slow
 def test_sparse_tables_step_stays_flat_as_the_table_grows(tmp_path):
+    """The sparse table's compiled step works on what the batch touches, not on the table: the
+    same temporaries and bytes sent at 10^5 to 10^7 rows (its time, measured against the dense
+    table's, is the benchmark's result: benchmarks/RESULTS.md; a timed assertion here would
+    fail under a loaded machine's noise)."""
     command = [sys.executable, str(RUN), "--quick", "--out", str(tmp_path), "--only"]
     done = subprocess.run([*command, "sparse_tables"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
@@ -104,8 +108,9 @@ def test_sparse_tables_step_stays_flat_as_the_table_grows(tmp_path):
     sparse = [r for r in record["rows"] if r.get("table") == "sparse"]
     dense = [r for r in record["rows"] if r.get("table") == "dense"]
     assert [r["V"] for r in sparse] == [10**5, 10**6, 10**7]
-    assert sparse[-1]["step ms"] < 1.5 * sparse[0]["step ms"]
+    assert len({r["temporaries MiB per device"] for r in sparse}) == 1
     assert len({r["KiB sent per step"] for r in sparse}) == 1  # bytes follow the batch, not V
+    assert dense[-1]["temporaries MiB per device"] > 100 * sparse[-1]["temporaries MiB per device"]
     assert dense[-1]["KiB sent per step"] > 500 * sparse[-1]["KiB sent per step"]
     # The table's eighth per device: 10^7 rows x 16 floats / 8.
     assert sparse[-1]["arguments MiB per device"] == pytest.approx(
